@@ -1,0 +1,362 @@
+"""PPO math as small pure functions: masked ops, GAE, loss aggregation, policy/value losses, log-probs.
+
+Every tensor argument named `*_mask` is a 0/1 float or bool tensor of shape (B, T) over response tokens;
+masked-out positions never influence a result, even when they hold NaN or inf.
+
+Every loss returns `(loss, metrics)` where `loss` is a scalar tensor and `metrics` a dict of Python floats
+named as in verl (`actor/pg_loss`, `critic/vf_loss`, ...), so users of verl can read the dashboards as is.
+
+How a (B, T) loss matrix becomes a scalar is chosen by name from `LOSS_AGG_MODES` (see `agg_loss`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# Rows of (B*T, V) logits converted to float32 at a time, so the float32 copy of a bfloat16 logit tensor
+# never has to exist whole (a (8, 1024, 152k) batch would need 5 GB).
+LOGITS_CHUNK_ROWS = 1024
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Masked reductions
+# ---------------------------------------------------------------------------------------------------------
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Sum of `x` over the positions where `mask` is set; over all dims if `dim` is None.
+
+    Masked-out entries are replaced by 0 with `torch.where`, not multiplied by the mask, so NaN * 0 = NaN
+    cannot leak from padding into the result.
+    """
+    x = torch.where(mask.bool(), x, torch.zeros_like(x))
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of `x` over the positions where `mask` is set; 0 where the mask is empty."""
+    num_valid = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / num_valid.to(x.dtype).clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `x` over all valid positions (a scalar).
+
+    With `unbiased`, Bessel's correction n / (n - 1) is applied when n > 1 valid entries exist; with one
+    valid entry the (zero) biased variance is returned rather than dividing by zero, and an empty mask
+    gives 0.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        num_valid = mask.sum().to(var.dtype)
+        var = torch.where(num_valid > 1, var * num_valid / (num_valid - 1).clamp(min=1), var)
+    return var
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """Normalise `x` to unit variance (and zero mean if `shift_mean`) using statistics of valid tokens only.
+
+    With `shift_mean=False` the original mean is added back, i.e. only the scale changes. Masked-out
+    positions are returned as 0.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def compute_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over response tokens.
+
+    Args: `token_rewards`, `values`, `response_mask` are (B, T); the reward at position t is the reward for
+    emitting token t (e.g. the KL penalty on every token plus the score on the last valid one).
+
+    Masked-out positions are treated as absent from the sequence, wherever they are: the recursion runs
+    over the valid tokens only, so the "next value" after the last valid token is 0 (the episode ends
+    there) and a masked token in the middle is skipped, linking the valid tokens on either side of it.
+    Rewards and values at masked-out positions are therefore ignored (NaN is fine there); a reward meant
+    for the episode must sit on a valid token.
+
+        delta_t = r_t + gamma * V_next(t) - V_t,   A_t = delta_t + gamma * lam * A_next(t)
+
+    Returns `(advantages, returns)`, both (B, T), with returns = advantages + values on valid tokens and
+    both 0 on masked-out ones. No whitening happens here (see `masked_whiten`).
+    """
+    valid = response_mask.bool()
+    num_seqs, num_steps = values.shape
+    next_value = values.new_zeros(num_seqs)  # V of the next valid token; 0 past the end
+    next_advantage = values.new_zeros(num_seqs)
+    advantages_reversed = []
+    for t in reversed(range(num_steps)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        # A masked token leaves the carried state untouched, so it is skipped by the recursion.
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_advantage = torch.where(valid[:, t], advantage, next_advantage)
+        advantages_reversed.append(torch.where(valid[:, t], advantage, torch.zeros_like(advantage)))
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)  # (B, T)
+    returns = torch.where(valid, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loss aggregation: (B, T) per-token losses -> scalar
+# ---------------------------------------------------------------------------------------------------------
+
+LOSS_AGG_REGISTRY: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def register_loss_agg(name: str):
+    """Decorator that registers an aggregation `fn(loss_mat, mask, num_tokens, num_seqs, norm_len)`."""
+
+    def decorator(fn):
+        if name in LOSS_AGG_REGISTRY:
+            raise ValueError(f"loss aggregation mode {name!r} is already registered")
+        LOSS_AGG_REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def _divide(total: torch.Tensor, denominator) -> torch.Tensor:
+    """`total / denominator` with the denominator (int, float or tensor) clamped to at least 1."""
+    if isinstance(denominator, torch.Tensor):
+        return total / denominator.to(total.dtype).clamp(min=1)
+    return total / max(denominator, 1)
+
+
+# The optional normalisers below exist for gradient accumulation: when the trainer passes the counts of the
+# whole batch (tokens, sequences), the losses of its micro-batches add up exactly to the whole-batch loss.
+
+
+@register_loss_agg("token-mean")
+def _agg_token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
+    """Every valid token weighs the same: sum of token losses / number of valid tokens."""
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    return _divide(masked_sum(loss_mat, mask), num_tokens)
+
+
+@register_loss_agg("seq-mean-token-sum")
+def _agg_seq_mean_token_sum(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
+    """Sum token losses within each sequence, then average over sequences (long answers weigh more)."""
+    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
+    return _divide(masked_sum(loss_mat, mask, dim=-1).sum(), num_seqs)
+
+
+@register_loss_agg("seq-mean-token-mean")
+def _agg_seq_mean_token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
+    """Average token losses within each sequence, then over sequences (every sequence weighs the same)."""
+    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
+    return _divide(masked_mean(loss_mat, mask, dim=-1).sum(), num_seqs)
+
+
+@register_loss_agg("seq-mean-token-sum-norm")
+def _agg_seq_mean_token_sum_norm(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
+    """Sum of all token losses / (num_seqs * norm_len): a constant normaliser, so no length bias.
+
+    This is Dr. GRPO's fix (Liu et al. 2025, "Understanding R1-Zero-Like Training"); `norm_len` defaults to
+    T, the padded response length.
+    """
+    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
+    norm_len = loss_mat.shape[-1] if norm_len is None else norm_len
+    return _divide(masked_sum(loss_mat, mask), num_seqs * norm_len)
+
+
+LOSS_AGG_MODES = tuple(LOSS_AGG_REGISTRY)
+
+
+def check_loss_agg_mode(mode: str) -> None:
+    """Raise ValueError naming the valid modes if `mode` is not a registered aggregation mode."""
+    if mode not in LOSS_AGG_REGISTRY:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(LOSS_AGG_REGISTRY)}")
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    num_tokens=None,
+    num_seqs=None,
+    norm_len=None,
+) -> torch.Tensor:
+    """Aggregate a (B, T) per-token loss into a scalar according to `mode` (one of `LOSS_AGG_MODES`).
+
+    - token-mean: sum over valid tokens / `num_tokens` (default: valid tokens in `mask`)
+    - seq-mean-token-sum: sum over sequences of per-sequence token sums / `num_seqs` (default: B)
+    - seq-mean-token-mean: sum over sequences of per-sequence token means / `num_seqs` (default: B)
+    - seq-mean-token-sum-norm: sum over valid tokens / (`num_seqs` * `norm_len`) (defaults: B and T)
+
+    Pass the whole batch's `num_tokens` / `num_seqs` when aggregating a micro-batch, so that the micro-batch
+    losses sum to the whole-batch loss. A sequence with no valid token still counts in the default B.
+    """
+    check_loss_agg_mode(mode)
+    return LOSS_AGG_REGISTRY[mode](loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PPO losses
+# ---------------------------------------------------------------------------------------------------------
+
+
+def policy_loss(
+    old_logprobs: torch.Tensor,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate (Schulman et al. 2017) with dual clip (Ye et al. 2020), all (B, T) inputs.
+
+        ratio = exp(logprobs - old_logprobs)
+        loss  = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio, 1 + clip_ratio))
+        loss  = min(loss, -A * clip_ratio_c)       only where A < 0 (dual clip)
+
+    For A < 0 the plain PPO loss grows without bound in the ratio; the dual clip caps it at
+    -A * clip_ratio_c, as verl does, so one stale sample cannot dominate the step. Where a clipped term is
+    taken the gradient is 0. The ratio is formed in float32 from the log-ratio clamped to [-20, 20], so
+    exp cannot overflow.
+
+    `agg_kwargs` (num_tokens, num_seqs, norm_len) go to `agg_loss`. Metrics: `actor/pg_loss`,
+    `actor/pg_clipfrac` (fraction of valid tokens where the clipped term was taken), `actor/ppo_kl` (mean
+    of old_logprobs - logprobs, the k1 estimate of KL(old || new)) and `actor/pg_clipfrac_lower` (fraction
+    where the dual clip was taken).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
+    advantages = advantages.float()
+    log_ratio = (logprobs.float() - old_logprobs.float()).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    ppo_losses = torch.maximum(unclipped, clipped)
+    dual_cap = -advantages * clip_ratio_c
+    dual_clipped = (advantages < 0) & (ppo_losses > dual_cap)
+    pg_losses = torch.where(dual_clipped, dual_cap, ppo_losses)  # (B, T)
+
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {
+            "actor/pg_loss": loss.item(),
+            "actor/pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask).item(),
+            "actor/ppo_kl": masked_mean(old_logprobs.float() - logprobs.float(), response_mask).item(),
+            "actor/pg_clipfrac_lower": masked_mean(dual_clipped.float(), response_mask).item(),
+        }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float | None = 0.2,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss, all (B, T) inputs: 0.5 * max((v - R)^2, (clip(v, v_old ± eps) - R)^2).
+
+    The clip keeps the critic within `cliprange_value` of the values it had at rollout time, as in the
+    original PPO code (openai/baselines ppo2); `cliprange_value=None` disables it. Metrics:
+    `critic/vf_loss`, `critic/vf_clipfrac` (fraction of valid tokens where the clipped term was taken).
+    """
+    values = values.float()
+    returns = returns.float()
+    unclipped = (values - returns) ** 2
+    if cliprange_value is None:
+        clipped = unclipped
+    else:
+        old_values = old_values.float()
+        values_clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+        clipped = (values_clipped - returns) ** 2
+    vf_losses = 0.5 * torch.maximum(unclipped, clipped)  # (B, T)
+
+    loss = agg_loss(vf_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {
+            "critic/vf_loss": loss.item(),
+            "critic/vf_clipfrac": masked_mean((clipped > unclipped).float(), response_mask).item(),
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Log-probs and entropy from logits
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _row_chunks(logits: torch.Tensor):
+    """`logits` flattened to (N, V) and split into chunks of at most `LOGITS_CHUNK_ROWS` rows."""
+    return logits.reshape(-1, logits.shape[-1]).split(LOGITS_CHUNK_ROWS, dim=0)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits / temperature) at `labels`: (B, T, V) any float dtype, (B, T) -> (B, T) float32.
+
+    Equal to `log_softmax(logits.float() / temperature).gather(-1, labels)` but without the (B, T, V)
+    float32 log-softmax: the label logit is gathered first, and the log-normaliser is a logsumexp over
+    chunks of rows converted to float32 one at a time.
+    """
+    label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() / temperature  # (B, T)
+    log_normaliser = torch.cat(
+        [torch.logsumexp(chunk.float() / temperature, dim=-1) for chunk in _row_chunks(logits)]
+    ).reshape(labels.shape)  # (B, T)
+    return label_logits - log_normaliser
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position: (B, T, V) any float dtype -> (B, T) float32.
+
+    Tokens with -inf logits (probability 0) contribute 0, not NaN.
+    """
+
+    def chunk_entropy(chunk):
+        logp = torch.log_softmax(chunk.float() / temperature, dim=-1)
+        p_logp = torch.where(logp > float("-inf"), logp.exp() * logp, torch.zeros_like(logp))
+        return -p_logp.sum(-1)
+
+    return torch.cat([chunk_entropy(chunk) for chunk in _row_chunks(logits)]).reshape(logits.shape[:-1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Diagnostics
+# ---------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var[returns - values] / Var[returns] over valid tokens: 1 is a perfect critic, <= 0 a useless one.
+
+    Follows scikit-learn's `explained_variance_score(force_finite=True)` at the edges: 1.0 when both
+    variances are 0, 0.0 when only Var[returns] is, so the logged metric is always finite.
+    """
+    values, returns = values.float(), returns.float()
+    var_returns = masked_var(returns, mask, unbiased=False).item()
+    var_residual = masked_var(returns - values, mask, unbiased=False).item()
+    if var_returns == 0.0:
+        return 1.0 if var_residual == 0.0 else 0.0
+    return 1.0 - var_residual / var_returns

@@ -1,0 +1,93 @@
+"""Rule-based GSM8K scorer: extract the final number from a response and compare it with the reference.
+
+GSM8K reference answers end with a line `#### <number>`; models are prompted to end the same way. The
+conventions here follow two peers, re-implemented:
+
+- verl (`verl/utils/reward_score/gsm8k.py`): "strict" reads the number after the last `####`, "flexible"
+  the last number anywhere; commas and dollar signs are dropped; no answer scores 0, a wrong answer
+  `format_score`, a right one `score`.
+- nanochat (`tasks/gsm8k.py`): the same `####` marker and comma removal, and the reward is the evaluation
+  function itself, so training and evaluation cannot disagree on what counts as correct.
+
+Where this scorer differs, on purpose:
+- Numbers are matched by an explicit pattern (optional sign and `$`, digits with well-formed thousands
+  separators, optional decimals) instead of "any run of digits, dots and commas", so "1,2,3" reads as three
+  numbers and "12." as 12. Only ASCII digits count.
+- Answers are compared as exact decimal values (`decimal.Decimal`), so "1,234" == "1234", "5.00" == "5",
+  "-0" == "0", while "0.1" != "0.10000001" (no float rounding).
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+METHODS = ("strict", "flexible")
+
+# Sign and dollar in either order, then digits with correct thousands commas, or plain digits, optionally
+# with a decimal part; or a bare decimal part (".5").
+_NUMBER = (
+    r"(?:-\$?|\$-?)?"
+    r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
+)
+_NUMBER_RE = re.compile(_NUMBER)
+_MARKED_NUMBER_RE = re.compile(rf"####\s*({_NUMBER})")
+
+
+def _normalise(number: str) -> str:
+    """Drop thousands commas and dollar signs: "-$1,234.5" -> "-1234.5"."""
+    return number.replace(",", "").replace("$", "")
+
+
+def extract_solution(text: str, method: str = "strict") -> str | None:
+    """The final answer in `text` as a normalised number string ("1234", "-3.5"), or None if there is none.
+
+    "strict" takes the number right after the last `####` marker that is followed by one (whitespace and
+    `$` allowed between), so trailing text after the number is ignored; "flexible" takes the last number
+    anywhere in the text.
+    """
+    if method == "strict":
+        matches = _MARKED_NUMBER_RE.findall(text)
+    elif method == "flexible":
+        matches = _NUMBER_RE.findall(text)
+    else:
+        raise ValueError(f"unknown extraction method {method!r}; valid methods: {', '.join(METHODS)}")
+    return _normalise(matches[-1]) if matches else None
+
+
+def extract_ground_truth(answer: str) -> str | None:
+    """The normalised reference number from a GSM8K answer: the reasoning (with `<<48/2=24>>` calculator
+    annotations) followed by `#### 72` gives "72"."""
+    return extract_solution(answer, method="strict")
+
+
+def _reference_value(ground_truth: str) -> Decimal | None:
+    """The reference as a Decimal, from a bare number ("1,234") or a full GSM8K answer ending in `####`."""
+    if "####" in ground_truth:
+        number = extract_ground_truth(ground_truth)
+    else:
+        number = ground_truth.strip()
+        number = _normalise(number) if _NUMBER_RE.fullmatch(number) else None
+    return None if number is None else Decimal(number)
+
+
+def compute_score(
+    response: str,
+    ground_truth: str,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+) -> float:
+    """`score` if the answer extracted from `response` equals `ground_truth` as a decimal value; otherwise
+    0.0 when no answer could be extracted, `format_score` when one was but it is wrong.
+
+    `ground_truth` is a number ("1,234") or a full GSM8K answer ending in `#### N`; an unreadable one
+    scores 0.0. Never raises on string inputs (an unknown `method` is a ValueError).
+    """
+    answer = extract_solution(response, method)
+    if answer is None:
+        return 0.0
+    reference = _reference_value(str(ground_truth))
+    if reference is None:
+        return 0.0
+    return float(score) if Decimal(answer) == reference else float(format_score)

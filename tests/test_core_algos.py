@@ -1,0 +1,330 @@
+"""Tests for rlhf.core_algos: hand-computed examples for every piece of PPO math."""
+
+import math
+
+import pytest
+import torch
+
+from rlhf import core_algos
+from rlhf.core_algos import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    check_loss_agg_mode,
+    compute_gae,
+    entropy_from_logits,
+    explained_variance,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    policy_loss,
+    value_loss,
+)
+
+NAN = float("nan")
+
+
+# --- masked ops ------------------------------------------------------------------------------------------
+
+
+def test_masked_mean_ignores_nan_in_masked_positions_including_gradient():
+    x = torch.tensor([[1.0, NAN, 3.0], [NAN, 5.0, float("inf")]], requires_grad=True)
+    mask = torch.tensor([[1, 0, 1], [0, 1, 0]])
+    mean = masked_mean(x, mask)
+    assert mean.item() == pytest.approx(3.0)
+    mean.backward()
+    assert torch.isfinite(x.grad).all()
+    assert torch.allclose(x.grad, mask.float() / 3)
+    assert masked_sum(x, mask).item() == pytest.approx(9.0)
+
+
+def test_masked_mean_empty_mask_is_zero_and_per_row():
+    x = torch.tensor([[1.0, 2.0], [NAN, 4.0]])
+    assert masked_mean(x, torch.zeros(2, 2)).item() == 0.0
+    row_means = masked_mean(x, torch.tensor([[0, 0], [0, 1]]), dim=-1)
+    assert row_means.tolist() == [0.0, 4.0]
+
+
+def test_masked_var_and_whiten_use_valid_tokens_only():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, NAN, -50.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # valid values 1, 2, 3: mean 2, unbiased var 1, biased var 2/3
+    assert masked_var(x, mask).item() == pytest.approx(1.0)
+    assert masked_var(x, mask, unbiased=False).item() == pytest.approx(2 / 3)
+    whitened = masked_whiten(x, mask)
+    expected = torch.tensor([[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    assert torch.allclose(whitened, expected, atol=1e-6)
+    unshifted = masked_whiten(x, mask, shift_mean=False)
+    assert torch.allclose(unshifted, torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]), atol=1e-6)
+
+
+# --- GAE -------------------------------------------------------------------------------------------------
+
+
+def test_gae_hand_computed():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.2, 0.4]])
+    advantages, returns = compute_gae(rewards, values, torch.ones(1, 3), gamma=0.9, lam=0.8)
+    # t=2: delta = 1 - 0.4 = 0.6;              A = 0.6
+    # t=1: delta = 0.9*0.4 - 0.2 = 0.16;       A = 0.16 + 0.72*0.6 = 0.592
+    # t=0: delta = 0.9*0.2 - 0.5 = -0.32;      A = -0.32 + 0.72*0.592 = 0.10624
+    assert torch.allclose(advantages, torch.tensor([[0.10624, 0.592, 0.6]]), atol=1e-6)
+    assert torch.allclose(returns, torch.tensor([[0.60624, 0.792, 1.0]]), atol=1e-6)
+
+
+def test_gae_right_padding_ignores_values_and_rewards_there():
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 7.0, 7.0]])
+    values = torch.tensor([[0.5, 0.2, 0.4, 3.0, -2.0]])
+    mask = torch.tensor([[1, 1, 1, 0, 0]])
+    advantages, returns = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    assert torch.allclose(advantages, torch.tensor([[0.10624, 0.592, 0.6, 0.0, 0.0]]), atol=1e-6)
+    assert torch.allclose(returns, torch.tensor([[0.60624, 0.792, 1.0, 0.0, 0.0]]), atol=1e-6)
+
+    perturbed = values.clone()
+    perturbed[:, 3:] = torch.tensor([NAN, 1e6])
+    advantages_perturbed, _ = compute_gae(rewards, perturbed, mask, gamma=0.9, lam=0.8)
+    assert torch.equal(advantages_perturbed, advantages)
+
+
+def test_gae_skips_masked_token_in_the_middle():
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.randn(1, 5, generator=gen)
+    values = torch.randn(1, 5, generator=gen)
+    mask = torch.tensor([[1, 0, 1, 1, 0]])
+    advantages, _ = compute_gae(rewards, values, mask, gamma=0.95, lam=0.9)
+    # Same as GAE on the sequence with the masked tokens removed.
+    keep = mask[0].bool()
+    compact, _ = compute_gae(rewards[:, keep], values[:, keep], torch.ones(1, 3), gamma=0.95, lam=0.9)
+    assert torch.allclose(advantages[:, keep], compact)
+    assert advantages[0, 1] == 0 and advantages[0, 4] == 0
+
+    perturbed = values.clone()
+    perturbed[0, 1] = 123.0
+    perturbed[0, 4] = NAN
+    assert torch.equal(compute_gae(rewards, perturbed, mask, gamma=0.95, lam=0.9)[0], advantages)
+
+
+def test_gae_gamma_lam_one_terminal_reward_gives_reward_minus_value():
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randn(3, 6, generator=gen, requires_grad=True)
+    lengths = torch.tensor([6, 4, 1])
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).float()
+    terminal_reward = torch.tensor([1.0, -2.0, 0.5])
+    rewards = torch.zeros(3, 6)
+    rewards[torch.arange(3), lengths - 1] = terminal_reward
+    advantages, returns = compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    expected = (terminal_reward[:, None] - values.detach()) * mask
+    assert torch.allclose(advantages, expected, atol=1e-6)
+    assert torch.allclose(returns, terminal_reward[:, None] * mask, atol=1e-6)
+    assert not advantages.requires_grad and not returns.requires_grad
+
+
+# --- loss aggregation ------------------------------------------------------------------------------------
+
+
+def test_loss_agg_modes_registered_and_unknown_mode_lists_them():
+    assert LOSS_AGG_MODES == (
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    )
+    for mode in LOSS_AGG_MODES:
+        check_loss_agg_mode(mode)
+    with pytest.raises(ValueError) as excinfo:
+        agg_loss(torch.ones(1, 1), torch.ones(1, 1), "seq-mean")
+    assert all(mode in str(excinfo.value) for mode in LOSS_AGG_MODES)
+    with pytest.raises(ValueError, match="token-mean"):
+        check_loss_agg_mode("mean")
+
+
+@pytest.mark.parametrize(
+    "mode, kwargs, expected",
+    [
+        ("token-mean", {}, 7 / 3),  # (1 + 2 + 4) / 3 tokens
+        ("token-mean", {"num_tokens": 14}, 0.5),
+        ("seq-mean-token-sum", {}, 3.5),  # (3 + 4) / 2 seqs
+        ("seq-mean-token-sum", {"num_seqs": 7}, 1.0),
+        ("seq-mean-token-mean", {}, 2.75),  # (1.5 + 4) / 2 seqs
+        ("seq-mean-token-mean", {"num_seqs": 11}, 0.5),
+        ("seq-mean-token-sum-norm", {}, 7 / 6),  # 7 / (2 seqs * T=3)
+        ("seq-mean-token-sum-norm", {"norm_len": 7}, 0.5),  # 7 / (2 * 7)
+    ],
+)
+def test_agg_loss_hand_numbers(mode, kwargs, expected):
+    loss_mat = torch.tensor([[1.0, 2.0, NAN], [4.0, NAN, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert agg_loss(loss_mat, mask, mode, **kwargs).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_microbatches_with_global_normalisers_sum_to_batch_loss(mode):
+    gen = torch.Generator().manual_seed(2)
+    loss_mat = torch.randn(6, 5, generator=gen)
+    lengths = torch.tensor([5, 1, 3, 0, 2, 4])  # micro-batches hold 6, 3 and 6 tokens
+    mask = (torch.arange(5)[None, :] < lengths[:, None]).float()
+    whole = agg_loss(loss_mat, mask, mode)
+    global_counts = {"num_tokens": mask.sum(), "num_seqs": 6}
+    micro = sum(
+        agg_loss(loss_mat[i : i + 2], mask[i : i + 2], mode, **global_counts) for i in range(0, 6, 2)
+    )
+    assert micro.item() == pytest.approx(whole.item(), abs=1e-6)
+
+
+# --- policy loss -----------------------------------------------------------------------------------------
+
+
+def test_policy_loss_ratio_one_is_minus_mean_advantage():
+    advantages = torch.tensor([[1.0, -2.0, 0.5], [3.0, 100.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
+    logprobs = torch.full((2, 3), -1.3)
+    loss, metrics = policy_loss(logprobs, logprobs, advantages, mask)
+    assert loss.item() == pytest.approx(-1.5 / 5)
+    assert metrics["actor/pg_loss"] == pytest.approx(-1.5 / 5)
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+    assert metrics["actor/ppo_kl"] == 0.0
+    assert all(isinstance(value, float) for value in metrics.values())
+
+
+def _crafted_policy_batch():
+    """Five tokens, the last masked out; ratios exp(log 1.5) etc. against old log-prob 0."""
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]])
+    ratios = torch.tensor([[1.5, 0.5, 1.5, 0.5, 3.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    return torch.zeros(1, 5), ratios.log().requires_grad_(), advantages, mask
+
+
+def test_policy_loss_clipfrac_and_gradient_zero_where_clipped():
+    old_logprobs, logprobs, advantages, mask = _crafted_policy_batch()
+    loss, metrics = policy_loss(old_logprobs, logprobs, advantages, mask, clip_ratio=0.2)
+    # per token: A=+1 r=1.5 -> clipped -1.2; A=+1 r=0.5 -> -0.5; A=-1 r=1.5 -> 1.5; A=-1 r=0.5 -> clipped 0.8
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.5 + 0.8) / 4)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)  # the masked (clipped) token is not counted
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+    expected_kl = -(math.log(1.5) + math.log(0.5)) / 2
+    assert metrics["actor/ppo_kl"] == pytest.approx(expected_kl, rel=1e-5)
+    loss.backward()
+    # d/dlogp of -A * r is -A * r / num_tokens where unclipped, exactly 0 where clipped or masked
+    expected_grad = torch.tensor([[0.0, -0.5 / 4, 1.5 / 4, 0.0, 0.0]])
+    assert torch.allclose(logprobs.grad, expected_grad, atol=1e-6)
+
+
+def test_policy_loss_dual_clip_caps_negative_advantage_loss():
+    advantages = torch.tensor([[-1.0, -2.0, 1.0]])
+    logprobs = torch.tensor([[3.0, 0.1, 3.0]], requires_grad=True)  # ratios e^3 = 20.1, 1.105, 20.1
+    mask = torch.ones(1, 3)
+    loss, metrics = policy_loss(torch.zeros(1, 3), logprobs, advantages, mask, clip_ratio_c=3.0)
+    # A=-1, r=20.1: PPO loss 20.1 capped at 3; A=-2, r=1.105: 2.21 < cap 6; A=+1: clipped to -1.2
+    expected = (3.0 + 2.0 * math.exp(0.1) - 1.2) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1 / 3)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3)  # only the A=+1 token; A<0 r>1.2 is unclipped
+    loss.backward()
+    assert logprobs.grad[0, 0] == 0.0 and logprobs.grad[0, 2] == 0.0
+    assert logprobs.grad[0, 1] != 0.0
+
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        policy_loss(torch.zeros(1, 3), logprobs, advantages, mask, clip_ratio_c=1.0)
+
+
+def test_policy_loss_float32_and_finite_for_huge_log_ratio():
+    advantages = torch.tensor([[1.0, -1.0, 1.0]])
+    logprobs = torch.tensor([[100.0, 100.0, -0.5]], dtype=torch.bfloat16, requires_grad=True)
+    loss, _ = policy_loss(torch.zeros(1, 3, dtype=torch.bfloat16), logprobs, advantages, torch.ones(1, 3))
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx((-1.2 + 3.0 - math.exp(-0.5)) / 3, rel=1e-2)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad.float()).all()
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_policy_loss_uses_aggregation_mode(mode):
+    old_logprobs, logprobs, advantages, mask = _crafted_policy_batch()
+    token_losses = torch.tensor([[-1.2, -0.5, 1.5, 0.8, 0.0]])
+    loss, _ = policy_loss(old_logprobs, logprobs, advantages, mask, loss_agg_mode=mode, num_seqs=3)
+    assert loss.item() == pytest.approx(agg_loss(token_losses, mask, mode, num_seqs=3).item(), rel=1e-5)
+
+
+# --- value loss ------------------------------------------------------------------------------------------
+
+
+def test_value_loss_clipping_hand_computed():
+    values = torch.tensor([[0.5, 0.5, 0.1, 10.0]], requires_grad=True)
+    old_values = torch.zeros(1, 4)
+    returns = torch.tensor([[1.0, 0.0, 1.0, -10.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, metrics = value_loss(values, old_values, returns, mask, cliprange_value=0.2)
+    # token 0: max((0.5-1)^2, (0.2-1)^2) = 0.64 (clipped); token 1: max(0.25, 0.04) = 0.25; token 2: 0.81
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.25 + 0.81) / 3)
+    assert metrics["critic/vf_loss"] == pytest.approx(loss.item())
+    assert metrics["critic/vf_clipfrac"] == pytest.approx(1 / 3)
+    loss.backward()
+    assert values.grad[0, 0] == 0.0 and values.grad[0, 3] == 0.0
+    assert values.grad[0, 1] == pytest.approx(0.5 / 3)
+
+    unclipped_loss, metrics = value_loss(values, old_values, returns, mask, cliprange_value=None)
+    assert unclipped_loss.item() == pytest.approx(0.5 * (0.25 + 0.25 + 0.81) / 3)
+    assert metrics["critic/vf_clipfrac"] == 0.0
+
+
+# --- log-probs and entropy -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_from_logits_matches_naive_float32(dtype, temperature, monkeypatch):
+    monkeypatch.setattr(core_algos, "LOGITS_CHUNK_ROWS", 3)  # 10 rows -> uneven chunks
+    gen = torch.Generator().manual_seed(3)
+    logits = (4 * torch.randn(2, 5, 50, generator=gen)).to(dtype)
+    labels = torch.randint(0, 50, (2, 5), generator=gen)
+    naive = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, labels[..., None])[..., 0]
+    logprobs = logprobs_from_logits(logits, labels, temperature)
+    assert logprobs.dtype == torch.float32 and logprobs.shape == (2, 5)
+    # Tight tolerance: a log-softmax computed in bf16/fp16 is off by ~1e-2 and fails this.
+    assert torch.allclose(logprobs, naive, atol=1e-5)
+
+
+def test_logprobs_from_logits_gradient_matches_naive():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 4, 30, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 30, (2, 4), generator=gen)
+    logprobs_from_logits(logits, labels, 0.8).sum().backward()
+    fast_grad = logits.grad.clone()
+    logits.grad = None
+    torch.log_softmax(logits / 0.8, -1).gather(-1, labels[..., None]).sum().backward()
+    assert torch.allclose(fast_grad, logits.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_from_logits_matches_naive(dtype, monkeypatch):
+    monkeypatch.setattr(core_algos, "LOGITS_CHUNK_ROWS", 4)
+    gen = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(3, 3, 40, generator=gen)).to(dtype)
+    x = logits.float() / 0.6
+    naive = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)
+    entropy = entropy_from_logits(logits, temperature=0.6)
+    assert entropy.dtype == torch.float32 and entropy.shape == (3, 3)
+    assert torch.allclose(entropy, naive, atol=1e-5)
+
+
+def test_entropy_with_minus_inf_logits_is_finite():
+    logits = torch.tensor([[[0.0, 0.0, float("-inf"), float("-inf")]]])
+    assert torch.allclose(entropy_from_logits(logits), torch.tensor([[math.log(2)]]))
+
+
+# --- diagnostics -----------------------------------------------------------------------------------------
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0, abs=1e-6)
+    # residuals (0, 0, 1) -> var 2/9; var(returns) = 2/3
+    values = torch.tensor([[1.0, 2.0, 2.0, NAN]])
+    assert explained_variance(values, returns, mask) == pytest.approx(1 - (2 / 9) / (2 / 3))
+    constant = torch.ones(1, 4)
+    assert explained_variance(constant, constant, mask) == 1.0
+    assert explained_variance(torch.tensor([[0.0, 1.0, 0.0, 0.0]]), constant, mask) == 0.0
