@@ -1,0 +1,352 @@
+"""The one typed config schema, YAML loading, dotted overrides and early validation.
+
+    cfg = load_config("configs/tiny.yaml", ["actor.kl_loss_type=k3+", "trainer.total_steps=50"])
+
+Defaults live in the dataclasses below (one comment per field); YAML files hold only what differs.
+Every check here runs before any model or data loads, so a typo costs seconds, not a model load.
+Names of the KL options follow verl (`algorithm.use_kl_in_reward`, `algorithm.kl_penalty`,
+`algorithm.kl_ctrl.*`, `actor.use_kl_loss`, `actor.kl_loss_type`, `actor.kl_loss_coef`) so verl users
+can carry their overrides over.
+
+We hand-write the ~150 lines of parsing instead of using OmegaConf/Hydra: the schema is small, and we
+want every error to be one paragraph naming the key, the bad value and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from rlhf.embedded import EmbeddedConfig
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the key, the bad value and what would be valid."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded"  # "embedded" (tiny local model, built and warm-started here), a hub name or a local path
+    critic_path: str | None = None  # backbone for the critic; None = same as `path`
+    dtype: str = "float32"  # float32 | bfloat16 | float16: actor/critic weights (keep float32 and use mixed precision to train in bf16)
+    ref_dtype: str | None = None  # the frozen reference's weights; None = same as dtype
+    gradient_checkpointing: bool = False  # trade compute for memory on long responses
+
+
+@dataclass
+class DataConfig:
+    train_files: str = "embedded"  # "embedded", a hub dataset name ("openai/gsm8k") or a local .jsonl/.json/.parquet
+    val_files: str = "embedded"  # same choices, for the held-out split
+    subset: str = "main"  # hub config name (GSM8K has "main" and "socratic")
+    train_split: str = "train"
+    val_split: str = "test"
+    max_val_samples: int | None = None  # evaluate on the first N held-out problems (None = all)
+    max_prompt_length: int = 256  # longer prompts are filtered (and counted), never cut
+    max_response_length: int = 256  # generation stops at EOS or here
+    train_batch_size: int = 64  # prompts per PPO step, over all processes
+    val_batch_size: int = 64  # prompts per greedy-evaluation batch on each process
+    reward_method: str = "strict"  # strict: last "#### N"; flexible: last number
+
+
+@dataclass
+class RolloutConfig:
+    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
+    top_k: int = 0  # 0 = off. Truncated sampling makes tokens non-samples of pi: KL estimates get biased
+    top_p: float = 1.0  # 1.0 = off (same caveat)
+    log_prob_micro_batch_size: int = 16  # sequences per forward pass when computing log-probs/values
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019)
+    kl_coef: float = 0.001  # beta, the KL-in-reward coefficient (initial value when adaptive)
+    target_kl: float = 0.1  # adaptive only: per-token KL the controller steers to
+    horizon: int = 10000  # adaptive only: how fast it steers (in samples)
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    use_kl_in_reward: bool = True  # token_reward_t = score_t - beta * kl_t
+    kl_penalty: str = "k1"  # estimator for the reward (k1 is the principled choice there)
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    ppo_epochs: int = 1  # passes over each rollout batch
+    ppo_mini_batch_size: int = 16  # sequences per optimizer step, over all processes
+    ppo_micro_batch_size: int = 8  # sequences per forward/backward on each process
+    clip_ratio: float = 0.2  # PPO epsilon
+    clip_ratio_c: float = 3.0  # dual-clip constant (Ye et al. 2020), > 1
+    entropy_coeff: float = 0.0  # entropy bonus weight
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    grad_clip: float = 1.0  # max gradient norm
+    use_kl_loss: bool = False  # add kl_loss_coef * agg(kl(logprobs, ref_logprobs)) to the actor loss
+    kl_loss_type: str = "low_var_kl"  # estimator for the loss (verl's default; see the KL table)
+    kl_loss_coef: float = 0.001
+
+
+@dataclass
+class CriticConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    cliprange_value: float = 0.5  # value clipping around the rollout values
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100  # PPO steps (one rollout batch each)
+    output_dir: str = "outputs/run"  # metrics.jsonl, the resolved config, checkpoints, wandb files
+    cache_dir: str | None = None  # where the embedded default's warm start is cached; None = <output_dir>/embedded
+    seed: int = 42
+    project_name: str = "rlhf-kl"  # wandb project
+    experiment_name: str = "ppo"  # wandb run name
+    group: str | None = None  # wandb group (runs to compare side by side); None = project default
+    logger: str = "wandb"  # wandb | none. wandb runs offline when there are no credentials
+    test_freq: int = 10  # greedy evaluation every N steps (also at step 0 and at the end); 0 = only those
+    save_freq: int = 0  # checkpoint every N steps (always at the end); 0 = only at the end
+    max_ckpt_to_keep: int = 2
+    resume_from: str | None = None  # a checkpoint directory, or "auto" for the latest in output_dir
+    max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
+    log_kl_panel: bool = True  # log kl/k1, kl/k2, kl/k3, kl/abs, kl/full every step (loads the reference even with no KL on)
+    mixed_precision: str | None = None  # no | bf16 | fp16 (autocast); None = whatever `accelerate launch` says
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- `key=value` overrides, then `validate`. Raises ConfigError."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist. Configs shipped: {_shipped_configs()}.")
+        with open(path) as f:
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections, got {type(raw).__name__}.")
+    cfg = _build(Config, raw, prefix="")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. actor.kl_loss_type=k3+).")
+        set_value(cfg, key.strip(), yaml.safe_load(value) if value.strip() else None)
+    validate(cfg)
+    return cfg
+
+
+def set_value(cfg: Config, dotted_key: str, value: Any) -> None:
+    """Set `a.b.c` on cfg with the same type checks as the YAML loader."""
+    *parents, name = dotted_key.split(".")
+    node, prefix = cfg, ""
+    for part in parents:
+        _check_key(node, part, prefix)
+        node, prefix = getattr(node, part), f"{prefix}{part}."
+        if not dataclasses.is_dataclass(node):
+            raise ConfigError(f"unknown config key {dotted_key!r}: {prefix[:-1]!r} is a value, not a section.")
+    _check_key(node, name, prefix)
+    hint = typing.get_type_hints(type(node))[name]
+    setattr(node, name, _coerce(value, hint, prefix + name))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _shipped_configs() -> str:
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    names = sorted(f for f in os.listdir(here) if f.endswith(".yaml")) if os.path.isdir(here) else []
+    return ", ".join(f"configs/{n}" for n in names) or "none"
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    obj = cls()
+    hints = typing.get_type_hints(cls)
+    for key, value in raw.items():
+        _check_key(obj, key, prefix)
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {prefix + key!r} is a section; got {value!r}.")
+            setattr(obj, key, _build(hints[key], value, f"{prefix}{key}."))
+        else:
+            setattr(obj, key, _coerce(value, hints[key], prefix + key))
+    return obj
+
+
+def _check_key(node: Any, key: str, prefix: str) -> None:
+    names = [f.name for f in dataclasses.fields(node)]
+    if key not in names:
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f" Did you mean {prefix + close[0]!r}?" if close else ""
+        section = f"section {prefix[:-1]!r}" if prefix else "the top level"
+        raise ConfigError(f"unknown config key {prefix + key!r}.{hint} Valid keys in {section}: {', '.join(names)}.")
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check `value` against a field's type; ints are accepted where floats are expected."""
+    if dataclasses.is_dataclass(hint):
+        raise ConfigError(f"config key {key!r} is a section; set its fields instead (e.g. {key}.<field>=...).")
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"config key {key!r} cannot be empty (null).")
+    base = next(a for a in args if a is not type(None)) if optional else hint
+    if base in (int, float) and isinstance(value, str):
+        value = _parse_number(value, base)  # YAML 1.1 reads "1e-6" as a string
+    ok = (
+        (base is bool and isinstance(value, bool))
+        or (base is int and isinstance(value, int) and not isinstance(value, bool))
+        or (base is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (base is str and isinstance(value, str))
+    )
+    if not ok:
+        raise ConfigError(f"config key {key!r} expects {base.__name__}, got {value!r} ({type(value).__name__}).")
+    return float(value) if base is float else value
+
+
+def _parse_number(text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        return text  # left as a string: the type check below names it
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"config key {key!r} got {value!r}; valid choices: {', '.join(choices)}.")
+
+
+def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"config key {key!r} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}.")
+
+
+def _divides(small_key: str, small: int, big_key: str, big: int) -> None:
+    if big % small:
+        raise ConfigError(f"{big_key}={big} is not divisible by {small_key}={small}; choose sizes that divide.")
+
+
+def validate(cfg: Config, num_processes: int = 1) -> None:
+    """Check values (not just types). Raises ConfigError before anything expensive happens."""
+    from rlhf import core_algos, kl  # local import: keeps `rlhf.config` importable on its own
+
+    def checked(key: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"config key {key!r}: {e}") from None
+
+    m, d, r, a, ac, c, t = cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.actor, cfg.critic, cfg.trainer
+    _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    if m.ref_dtype is not None:
+        _choice("model.ref_dtype", m.ref_dtype, ("float32", "bfloat16", "float16"))
+    if t.mixed_precision is not None:
+        _choice("trainer.mixed_precision", t.mixed_precision, ("no", "bf16", "fp16"))
+    _choice("data.reward_method", d.reward_method, ("strict", "flexible"))
+    _choice("trainer.logger", t.logger, ("wandb", "none"))
+    for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
+                "data.val_batch_size", "rollout.log_prob_micro_batch_size", "actor.ppo_epochs",
+                "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "trainer.total_steps",
+                "trainer.max_ckpt_to_keep", "trainer.max_bad_steps", "rollout.temperature",
+                "actor.lr", "critic.lr", "actor.clip_ratio", "actor.grad_clip", "critic.grad_clip"):
+        section, name = key.split(".")
+        _positive(key, getattr(getattr(cfg, section), name))
+    for key in ("trainer.test_freq", "trainer.save_freq", "rollout.top_k", "actor.entropy_coeff",
+                "actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", "critic.cliprange_value",
+                "actor.weight_decay", "critic.weight_decay"):
+        *path, name = key.split(".")
+        node = cfg
+        for p in path:
+            node = getattr(node, p)
+        _positive(key, getattr(node, name), allow_zero=True)
+    if d.max_val_samples is not None:
+        _positive("data.max_val_samples", d.max_val_samples)
+    if not 0.0 < r.top_p <= 1.0:
+        raise ConfigError(f"config key 'rollout.top_p' must be in (0, 1], got {r.top_p!r}.")
+    if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
+        raise ConfigError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {a.gamma!r} and {a.lam!r}.")
+    if ac.clip_ratio_c <= 1.0:
+        raise ConfigError(f"config key 'actor.clip_ratio_c' (dual clip) must be > 1, got {ac.clip_ratio_c!r}.")
+    checked("actor.loss_agg_mode", core_algos.check_loss_agg_mode, ac.loss_agg_mode)
+    checked("algorithm.kl_penalty", kl.check_estimator, a.kl_penalty, allow_full=True)
+    checked("actor.kl_loss_type", kl.check_estimator, ac.kl_loss_type, allow_full=True)
+    kc = a.kl_ctrl
+    checked("algorithm.kl_ctrl", kl.check_kl_ctrl, kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
+
+    # Batch arithmetic: global batch -> per-process shares -> mini-batches -> micro-batches.
+    _divides("actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, "data.train_batch_size", d.train_batch_size)
+    _divides("number of processes", num_processes, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size)
+    per_process_mini = ac.ppo_mini_batch_size // num_processes
+    _divides("actor.ppo_micro_batch_size", ac.ppo_micro_batch_size,
+             "actor.ppo_mini_batch_size per process", per_process_mini)
+    if t.resume_from not in (None, "auto") and not os.path.isdir(t.resume_from):
+        raise ConfigError(f"trainer.resume_from={t.resume_from!r} is not a directory (use a checkpoint dir or 'auto').")
+    for key, source in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        if source != "embedded" and _looks_like_path(source):
+            from rlhf.data import check_data_file
+
+            checked(key, check_data_file, source)
+    for key, path in (("model.path", m.path), ("model.critic_path", m.critic_path)):
+        if path not in (None, "embedded") and _looks_like_path(path) and not os.path.isdir(path):
+            raise ConfigError(f"config key {key!r}: local model path {path!r} does not exist "
+                              "(give a directory written by save_pretrained, a hub name like "
+                              "'Qwen/Qwen2.5-0.5B-Instruct', or 'embedded').")
+
+
+def _looks_like_path(source: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else (./x, /x, a/b/c, x.jsonl) is a local path."""
+    return (source.startswith((".", "/", "~")) or source.count("/") > 1
+            or source.endswith((".jsonl", ".json", ".parquet")) or os.path.exists(source))
+
+
+def warnings_for(cfg: Config) -> list[str]:
+    """Legal settings that are almost certainly a mistake; printed once at start."""
+    out = []
+    a, ac, r = cfg.algorithm, cfg.actor, cfg.rollout
+    kl_on = a.use_kl_in_reward or ac.use_kl_loss
+    if ac.use_kl_loss and ac.kl_loss_type.rstrip("+") in ("k1", "kl") and not ac.kl_loss_type.endswith("+"):
+        out.append(f"actor.kl_loss_type={ac.kl_loss_type}: k1 as a loss has zero expected gradient; "
+                   "this does not regularise (use k2, k3+ or full; or k1 in the reward).")
+    if a.use_kl_in_reward and a.kl_penalty in ("k3", "low_var_kl"):
+        out.append(f"algorithm.kl_penalty={a.kl_penalty}: k3 in the reward gives a biased gradient "
+                   "(grad KL(pi||ref) - grad KL(ref||pi)); k1 is the principled choice there.")
+    if kl_on and (r.top_k > 0 or r.top_p < 1.0):
+        out.append(f"rollout.top_k={r.top_k}, rollout.top_p={r.top_p} with a KL option on: sampled tokens are "
+                   "not samples of the policy, so the KL estimates are biased (k1 can go negative).")
+    if a.use_kl_in_reward and a.kl_ctrl.kl_coef == 0:
+        out.append("algorithm.use_kl_in_reward=true with algorithm.kl_ctrl.kl_coef=0: the penalty does nothing.")
+    if ac.use_kl_loss and ac.kl_loss_coef == 0:
+        out.append("actor.use_kl_loss=true with actor.kl_loss_coef=0: the KL loss does nothing.")
+    return out

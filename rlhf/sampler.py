@@ -1,0 +1,34 @@
+"""The order in which prompts are drawn: a seeded shuffle per epoch, with a resumable position."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PromptSampler:
+    """Yields global batches of `batch_size` dataset indices; each epoch is a fresh permutation
+    drawn from (seed, epoch), so the order depends on nothing but these two numbers and the state
+    is just (epoch, position). A last partial batch of an epoch is dropped."""
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int):
+        if num_examples < batch_size:
+            raise ValueError(f"the training set has {num_examples} prompts, fewer than one batch of {batch_size}.")
+        self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
+        self.epoch, self.position = 0, 0
+
+    def _order(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(self.num_examples, generator=generator).tolist()
+
+    def next_batch(self) -> list[int]:
+        if self.position + self.batch_size > self.num_examples:
+            self.epoch, self.position = self.epoch + 1, 0
+        batch = self._order()[self.position:self.position + self.batch_size]
+        self.position += self.batch_size
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]

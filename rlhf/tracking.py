@@ -1,0 +1,109 @@
+"""Metrics: one JSON object per step in `<output_dir>/metrics.jsonl`, and wandb through accelerate.
+
+wandb is a convenience, never a requirement: with no credentials it runs offline without prompting
+(and we print how to `wandb sync`); if it is not installed or fails to start, training goes on with
+`metrics.jsonl` alone after one warning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+import warnings
+from typing import Any
+
+
+def has_wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_available() -> bool:
+    try:
+        import wandb  # noqa: F401
+    except Exception:  # a broken install is as good as none
+        return False
+    return True
+
+
+def choose_wandb_mode() -> str:
+    """Honour WANDB_MODE; otherwise online with credentials and offline without (never prompt)."""
+    return os.environ.get("WANDB_MODE") or ("online" if has_wandb_credentials() else "offline")
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: str, last_step: int) -> None:
+    """Drop rows after `last_step` (written after the checkpoint we resume from), so no step repeats."""
+    if not os.path.exists(path):
+        return
+    rows = [r for r in read_metrics(path) if r["step"] <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """`log(metrics, step)` appends to metrics.jsonl (main process only) and calls accelerator.log."""
+
+    def __init__(self, accelerator, output_dir: str, use_wandb: bool):
+        self.accelerator = accelerator
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.use_wandb = use_wandb
+        self.wandb_run_id: str | None = None
+
+    def start(self, project: str, config: dict, run_name: str, group: str | None, tags: list[str],
+              output_dir: str, resume_run_id: str | None = None) -> None:
+        if not self.use_wandb or not self.accelerator.is_main_process:
+            return
+        mode = choose_wandb_mode()
+        init_kwargs = dict(name=run_name, group=group, tags=tags, dir=output_dir, mode=mode)
+        if resume_run_id:
+            init_kwargs.update(id=resume_run_id, resume="allow")
+        try:
+            self.accelerator.init_trackers(project, config=config, init_kwargs={"wandb": init_kwargs})
+            run = self.accelerator.get_tracker("wandb", unwrap=True)
+            self.wandb_run_id = run.id
+        except Exception as e:  # no disk space, bad settings, service down: keep training
+            warnings.warn(f"wandb could not start ({type(e).__name__}: {e}); logging to {self.path} only.")
+            self.use_wandb = False
+            self.accelerator.trackers = []
+            return
+        if mode == "offline":
+            print(f"wandb is offline (no credentials or WANDB_MODE=offline); the run is in {run.dir}.\n"
+                  f"Upload it later with: wandb sync {os.path.dirname(run.dir)}")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.use_wandb:
+            try:
+                self.accelerator.log(metrics, step=step)
+            except Exception as e:
+                warnings.warn(f"wandb logging failed ({type(e).__name__}: {e}); continuing with {self.path} only.")
+                self.use_wandb = False
+
+    def finish(self) -> None:
+        if self.use_wandb and self.accelerator.is_main_process:
+            try:
+                self.accelerator.end_training()
+            except Exception as e:
+                warnings.warn(f"wandb did not close cleanly ({type(e).__name__}: {e}).")
+
+
+def _plain(value: Any) -> Any:
+    value = float(value) if not isinstance(value, (int, str)) else value
+    return None if isinstance(value, float) and not math.isfinite(value) else value
