@@ -1,0 +1,586 @@
+"""Tests for rlhf/kl.py and rlhf/kl_theory.py. The facts and numbers come from shared/reference/KL.md.
+
+Expectations are exact (enumerating a 4-token vocabulary), so nothing here can flake; the one Monte-Carlo
+test uses a fixed seed and 5 standard errors with the standard deviation computed exactly.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf import kl_theory
+from rlhf.kl import (
+    ESTIMATOR_NAMES,
+    KL_CTRL_TYPES,
+    PANEL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    build_kl_controller,
+    check_estimator,
+    check_kl_ctrl,
+    full_kl,
+    kl_panel,
+    kl_penalty,
+    main,
+    register_estimator,
+)
+
+BASE_NAMES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
+PLUS_NAMES = tuple(n + "+" for n in BASE_NAMES)
+ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def random_logprobs(shape=(4, 8), seed=0, low=-5.0, dtype=torch.float32):
+    """(logprob, ref_logprob) uniform in [low, 0], leaves that require grad."""
+    g = torch.Generator().manual_seed(seed)
+    lp = (torch.rand(shape, generator=g, dtype=torch.float64) * low).to(dtype).requires_grad_(True)
+    ref = (torch.rand(shape, generator=g, dtype=torch.float64) * low).to(dtype).requires_grad_(True)
+    return lp, ref
+
+
+def grads(name, lp, ref):
+    """d sum(kl_penalty) / d(logprob, ref_logprob)."""
+    return torch.autograd.grad(kl_penalty(lp, ref, name).sum(), (lp, ref))
+
+
+def numpy_reference(name, lp, ref):
+    """Value and d/dlogprob of each estimator, written from KL.md's table in float64 (verl's k3 clamps)."""
+    base = name[:-1] if name.endswith("+") else name
+    base = ALIASES.get(base, base)
+    d = lp - ref
+    if base == "k1":
+        value, grad = d, np.ones_like(d)
+    elif base == "k2":
+        value, grad = 0.5 * d**2, d
+    elif base == "k3":
+        neg_d = np.clip(-d, -20, 20)
+        raw = np.exp(neg_d) - 1 - neg_d
+        value = np.clip(raw, -10, 10)
+        grad = np.where((np.abs(raw) <= 10) & (np.abs(d) <= 20), 1 - np.exp(-d), 0.0)
+    elif base == "abs":
+        value, grad = np.abs(d), np.sign(d)
+    if name.endswith("+"):
+        grad = d
+    return value, grad
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The two upstream regression tests (verl PR #6058), then the rest of the '+' contract.
+
+
+@pytest.mark.parametrize("name", ["k1+", "kl+", "abs+", "k3+", "low_var_kl+"])
+def test_kl_penalty_straight_through_value_matches_base(name):
+    lp, ref = random_logprobs()
+    assert torch.equal(kl_penalty(lp, ref, name), kl_penalty(lp, ref, name[:-1]))
+
+
+def test_kl_penalty_k3_plus_uses_k2_gradient():
+    lp, ref = random_logprobs()
+    (g_plus,) = torch.autograd.grad(kl_penalty(lp, ref, "k3+").sum(), lp)
+    (g_k2,) = torch.autograd.grad(kl_penalty(lp, ref, "k2").sum(), lp)
+    torch.testing.assert_close(g_plus, g_k2, rtol=0, atol=0)
+    (g_k3,) = torch.autograd.grad(kl_penalty(lp, ref, "k3").sum(), lp)
+    assert not torch.allclose(g_plus, g_k3)  # the inputs are such that the '+' really changes something
+
+
+@pytest.mark.parametrize("name", PLUS_NAMES)
+def test_plus_gradient_is_log_ratio(name):
+    lp, ref = random_logprobs()
+    g_lp, g_ref = grads(name, lp, ref)
+    d = (lp - ref).detach()
+    torch.testing.assert_close(g_lp, d, rtol=0, atol=0)
+    torch.testing.assert_close(g_ref, -d, rtol=0, atol=0)
+    # and with a ref that does not require grad
+    (g_lp_only,) = torch.autograd.grad(kl_penalty(lp, ref.detach(), name).sum(), lp)
+    torch.testing.assert_close(g_lp_only, d, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["k2", "mse"])
+def test_k2_plus_is_k2(name):
+    lp, ref = random_logprobs()
+    assert torch.equal(kl_penalty(lp, ref, name + "+"), kl_penalty(lp, ref, name))
+    for a, b in zip(grads(name + "+", lp, ref), grads(name, lp, ref)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("suffix", ["", "+"])
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_alias_equals_canonical(alias, suffix):
+    lp, ref = random_logprobs()
+    canonical = ALIASES[alias] + suffix
+    assert torch.equal(kl_penalty(lp, ref, alias + suffix), kl_penalty(lp, ref, canonical))
+    for a, b in zip(grads(alias + suffix, lp, ref), grads(canonical, lp, ref)):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Names and validation.
+
+
+def test_estimator_names_are_every_base_and_plus_form():
+    assert set(ESTIMATOR_NAMES) == set(BASE_NAMES) | set(PLUS_NAMES)
+    assert len(ESTIMATOR_NAMES) == len(set(ESTIMATOR_NAMES))
+    assert PANEL_ESTIMATORS == ("k1", "k2", "k3", "abs")
+    for name in ESTIMATOR_NAMES:
+        assert check_estimator(name) == name
+        assert check_estimator(name, allow_full=True) == name
+
+
+@pytest.mark.parametrize("bad", ["k4", "k3++", "+", "", "K3", "k3 +", "kl ", "full++", "++"])
+def test_bad_names_raise_with_valid_list(bad):
+    lp, ref = random_logprobs()
+    for call in (lambda: kl_penalty(lp, ref, bad), lambda: check_estimator(bad)):
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert repr(bad) in message
+        assert all(f"{name}," in message or f"{name}." in message for name in ESTIMATOR_NAMES)
+        assert "'+'" in message
+
+
+def test_bad_name_hint_and_full_listed_when_allowed():
+    with pytest.raises(ValueError, match="did you mean 'k3'"):
+        check_estimator("K3")
+    with pytest.raises(ValueError, match="did you mean 'k3\\+'"):
+        check_estimator("k3 +")
+    with pytest.raises(ValueError, match="full"):
+        check_estimator("k4", allow_full=True)
+
+
+@pytest.mark.parametrize("bad", [None, 3, 3.0, b"k3"])
+def test_non_string_names_raise_type_error(bad):
+    lp, ref = random_logprobs()
+    with pytest.raises(TypeError, match="str"):
+        kl_penalty(lp, ref, bad)
+    for allow_full in (False, True):
+        with pytest.raises(TypeError, match="str"):
+            check_estimator(bad, allow_full=allow_full)
+
+
+@pytest.mark.parametrize("name", ["full", "full+"])
+def test_full_in_kl_penalty_points_to_full_kl(name):
+    lp, ref = random_logprobs()
+    with pytest.raises(ValueError, match="full_kl") as info:
+        kl_penalty(lp, ref, name)
+    assert "logits" in str(info.value)
+    with pytest.raises(ValueError, match="full_kl"):
+        check_estimator(name)
+
+
+def test_check_estimator_full():
+    assert check_estimator("full", allow_full=True) == "full"
+    with pytest.raises(ValueError, match="already") as info:
+        check_estimator("full+", allow_full=True)
+    assert "'full+'" in str(info.value)
+
+
+def test_shape_mismatch_raises():
+    lp, ref = random_logprobs((4, 8))
+    with pytest.raises(ValueError, match="differ"):
+        kl_penalty(lp, ref[:, :1], "k1")
+
+
+def test_registry_refuses_reserved_names():
+    for name in ("k1", "k5+", "full", ""):
+        with pytest.raises(ValueError, match="reserved"):
+            register_estimator(name)(lambda lp, ref: lp - ref)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Values and gradients against the formulas, precision, and extremes.
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 8 * EPS32), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_kl_penalty_matches_formulas(name, dtype, tol):
+    # d spans [-40, 40]: k3's exponent clamp (|d| > 20), value clamp (d < -2.5 or d > 11) and the middle.
+    lp, ref = random_logprobs((64, 64), seed=1, low=-40.0, dtype=dtype)
+    d = (lp - ref).detach().double().numpy()
+    assert (d > 20).any() and (d < -20).any() and ((d > -2) & (d < 10)).sum() > 500
+    value = kl_penalty(lp, ref, name)
+    (grad,) = torch.autograd.grad(value.sum(), lp)
+    want_value, want_grad = numpy_reference(name, lp.detach().double().numpy(), ref.detach().double().numpy())
+    assert value.dtype == dtype
+    # float32 rounding: a few eps relative to the value, and a few eps absolute where k3 cancels near d = 0
+    np.testing.assert_allclose(value.detach().double().numpy(), want_value, rtol=tol, atol=tol)
+    np.testing.assert_allclose(grad.double().numpy(), want_grad, rtol=tol, atol=16 * tol)
+
+
+def test_k3_is_never_negative():
+    lp, ref = random_logprobs((64, 64), seed=2, low=-40.0)
+    assert (kl_penalty(lp, ref, "k3") >= 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_half_inputs_computed_in_float32(name, dtype):
+    lp, ref = random_logprobs(dtype=dtype)
+    out = kl_penalty(lp, ref, name)
+    assert out.dtype == torch.float32
+    # computed from the upcast values (in half precision k3 near d = 0 would be off by ~1e-3)
+    assert torch.equal(out, kl_penalty(lp.float(), ref.float(), name))
+    (g,) = torch.autograd.grad(out.sum(), lp)
+    assert g.dtype == dtype
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_extreme_log_ratios_stay_finite(name):
+    lp = torch.tensor([0.0, -50.0, -1e-3, -100.0], requires_grad=True)
+    ref = torch.tensor([-50.0, 0.0, -100.0, -1e-3], requires_grad=True)
+    out = kl_penalty(lp, ref, name)
+    g_lp, g_ref = torch.autograd.grad(out.sum(), (lp, ref))
+    assert torch.isfinite(out).all() and torch.isfinite(g_lp).all() and torch.isfinite(g_ref).all()
+    if name.rstrip("+") in ("k3", "low_var_kl"):
+        assert torch.equal(out.detach(), torch.full((4,), 10.0))  # the value clamp holds
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_identical_inputs_give_zero(name):
+    lp, _ = random_logprobs()
+    ref = lp.detach().clone()
+    out = kl_penalty(lp, ref, name)
+    assert torch.equal(out, torch.zeros_like(out))
+    (g,) = torch.autograd.grad(out.sum(), lp)
+    # k1's gradient is 1 everywhere; every other estimator is flat at d = 0
+    expected = torch.ones_like(g) if name in ("k1", "kl") else torch.zeros_like(g)
+    assert torch.equal(g, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The science, exactly, by enumerating KL.md's examples A and B.
+
+
+@pytest.fixture(params=["A", "B"])
+def categorical(request):
+    """(name, logits, ref_probs, pi, ref as float64 numpy)."""
+    logits, ref = kl_theory.example(request.param)
+    return request.param, logits, ref, logits.softmax(-1).numpy(), ref.numpy()
+
+
+def analytic_grads(pi, ref):
+    """Gradients w.r.t. the logits written by hand: KL(pi||ref), KL(ref||pi), 2 TV."""
+    d = np.log(pi) - np.log(ref)
+    s = np.sign(d)
+    return pi * (d - pi @ d), pi - ref, pi * (s - pi @ s)
+
+
+def test_kl_md_numbers():
+    logits, ref = kl_theory.example("A")
+    assert kl_theory.reverse_kl(logits, ref).item() == pytest.approx(0.244174, abs=1e-6)
+    assert kl_theory.forward_kl(logits, ref).item() == pytest.approx(0.311199, abs=1e-6)
+    assert kl_theory.total_variation(logits, ref).item() == pytest.approx(0.3, abs=1e-12)
+    assert kl_theory.expected_value("k1", logits, ref).item() == pytest.approx(0.244174, abs=1e-6)
+    assert kl_theory.expected_value("k3", logits, ref).item() == pytest.approx(0.244174, abs=1e-6)
+    assert kl_theory.expected_value("k2", logits, ref).item() == pytest.approx(0.209427, abs=1e-6)
+    assert kl_theory.expected_value("abs", logits, ref).item() == pytest.approx(0.558366, abs=1e-6)
+    np.testing.assert_allclose(
+        kl_theory.divergence_grad(kl_theory.reverse_kl, logits, ref).numpy(),
+        [0.224486, -0.018556, -0.113250, -0.092681], atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        kl_theory.expected_loss_grad("k3", logits, ref).numpy(), [0.25, 0.05, -0.10, -0.20], atol=1e-12
+    )
+    logits, ref = kl_theory.example("B")
+    assert kl_theory.reverse_kl(logits, ref).item() == pytest.approx(0.456435, abs=1e-6)
+    assert kl_theory.forward_kl(logits, ref).item() == pytest.approx(0.456435, abs=1e-6)
+    np.testing.assert_allclose(
+        kl_theory.expected_loss_grad("k3+", logits, ref).numpy(),
+        [0.371944, -0.015291, -0.172380, -0.184273], atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        kl_theory.expected_loss_grad("k3", logits, ref).numpy(), [0.3, 0.1, -0.1, -0.3], atol=1e-12
+    )
+
+
+def test_divergence_helpers_match_hand_written_gradients(categorical):
+    _, logits, ref, pi, ref_np = categorical
+    rev, fwd, two_tv = analytic_grads(pi, ref_np)
+    np.testing.assert_allclose(kl_theory.divergence_grad(kl_theory.reverse_kl, logits, ref), rev, atol=1e-12)
+    np.testing.assert_allclose(kl_theory.divergence_grad(kl_theory.forward_kl, logits, ref), fwd, atol=1e-12)
+    np.testing.assert_allclose(
+        2 * kl_theory.divergence_grad(kl_theory.total_variation, logits, ref), two_tv, atol=1e-12
+    )
+
+
+def test_expected_values(categorical):
+    _, logits, ref, pi, ref_np = categorical
+    kl = float(pi @ (np.log(pi) - np.log(ref_np)))
+    assert kl_theory.expected_value("k1", logits, ref).item() == pytest.approx(kl, rel=1e-12)
+    assert kl_theory.expected_value("k3", logits, ref).item() == pytest.approx(kl, rel=1e-12)
+    assert kl_theory.expected_value("abs", logits, ref).item() >= kl
+    assert kl_theory.expected_value("k2", logits, ref).item() != pytest.approx(kl, rel=1e-3)
+    for name in PLUS_NAMES:
+        assert kl_theory.expected_value(name, logits, ref) == kl_theory.expected_value(name[:-1], logits, ref)
+    # the sign trap: exp(d) - 1 - d has mean chi^2(ref||pi)-ish, not KL
+    wrong_k3 = float(pi @ (pi / ref_np - 1 - np.log(pi / ref_np)))
+    assert wrong_k3 != pytest.approx(kl, rel=1e-2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_expected_loss_and_reward_gradients(categorical, dtype, tol):
+    _, logits64, ref64, pi, ref_np = categorical
+    logits, ref = logits64.to(dtype), ref64.to(dtype)
+    rev, fwd, two_tv = analytic_grads(pi, ref_np)
+
+    def loss(name):
+        return kl_theory.expected_loss_grad(name, logits, ref).double().numpy()
+
+    def reward(name):
+        return kl_theory.expected_reward_grad(name, logits, ref).double().numpy()
+
+    close = dict(rtol=tol, atol=tol)
+    np.testing.assert_allclose(loss("k1"), 0.0, **close)  # k1 as a loss does nothing on average
+    np.testing.assert_allclose(loss("k2"), rev, **close)
+    np.testing.assert_allclose(loss("k3"), fwd, **close)  # GRPO's k3 loss follows the forward KL
+    np.testing.assert_allclose(loss("abs"), two_tv, **close)
+    for name in PLUS_NAMES:
+        np.testing.assert_allclose(loss(name), rev, **close)
+        np.testing.assert_allclose(reward(name), reward(name[:-1]), **close)  # '+' is a no-op in the reward
+    np.testing.assert_allclose(reward("k1"), rev, **close)
+    np.testing.assert_allclose(reward("k3"), rev - fwd, **close)
+    assert np.abs(loss("k3") - rev).max() > 0.05  # k3 as a loss is not the reverse-KL gradient
+
+
+def test_monte_carlo_means_match_exact_values():
+    logits, ref = kl_theory.example("A")
+    num_samples = 20_000
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.multinomial(logits.softmax(-1), num_samples, replacement=True, generator=g)
+    lp, ref_lp = logits.log_softmax(-1)[tokens], ref.log()[tokens]
+    for name in PANEL_ESTIMATORS:
+        exact = kl_theory.expected_value(name, logits, ref).item()
+        std = kl_theory.estimator_std(name, logits, ref).item()
+        sample_mean = kl_penalty(lp, ref_lp, name).mean().item()
+        assert abs(sample_mean - exact) <= 5 * std / math.sqrt(num_samples), name
+
+
+def test_demo_prints_the_report(capsys):
+    main()
+    out = capsys.readouterr().out
+    for number in ("0.244174", "0.209427", "0.558366", "0.311199", "0.456435", "+0.224486, -0.018556"):
+        assert number in out
+    k3_plus_row = next(line for line in out.splitlines() if line.strip().startswith("k3+"))
+    assert k3_plus_row.split()[1:3] == ["1.00000", "0.000000"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# full_kl
+
+
+def naive_full_kl(logits, ref_logits, temperature=1.0):
+    logp = torch.log_softmax(logits.double() / temperature, -1)
+    logq = torch.log_softmax(ref_logits.double() / temperature, -1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def random_logits(shape, seed=0, dtype=torch.float64, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def test_full_kl_matches_naive_and_torch_distributions():
+    logits, ref = random_logits((2, 3, 11), 0), random_logits((2, 3, 11), 1)
+    out = full_kl(logits, ref)
+    assert out.shape == (2, 3)
+    torch.testing.assert_close(out, naive_full_kl(logits, ref), rtol=1e-12, atol=1e-12)
+    dist = torch.distributions
+    torch.testing.assert_close(
+        out, dist.kl_divergence(dist.Categorical(logits=logits), dist.Categorical(logits=ref)), rtol=1e-12, atol=1e-12
+    )
+    assert (out > 0).all()
+
+
+def test_full_kl_chunked_equals_unchunked():
+    logits, ref = random_logits((5, 7, 13), 2), random_logits((5, 7, 13), 3)
+    whole = full_kl(logits, ref, chunk_size=10_000)
+    for chunk_size in (1, 3, 34, 35):
+        torch.testing.assert_close(full_kl(logits, ref, chunk_size=chunk_size), whole, rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 100])
+def test_full_kl_gradient_matches_autograd_of_naive(chunk_size):
+    temperature = 0.7
+    logits = random_logits((2, 3, 11), 4).requires_grad_(True)
+    ref = random_logits((2, 3, 11), 5).requires_grad_(True)
+    weights = random_logits((2, 3), 6)  # a non-uniform upstream gradient
+    got = torch.autograd.grad((full_kl(logits, ref, temperature, chunk_size) * weights).sum(), (logits, ref))
+    want = torch.autograd.grad((naive_full_kl(logits, ref, temperature) * weights).sum(), (logits, ref))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    (only_logits,) = torch.autograd.grad(full_kl(logits, ref.detach(), temperature).sum(), logits)
+    (want_logits,) = torch.autograd.grad(naive_full_kl(logits, ref.detach(), temperature).sum(), logits)
+    torch.testing.assert_close(only_logits, want_logits, rtol=1e-10, atol=1e-12)
+
+
+def test_full_kl_saves_no_vocab_sized_intermediates():
+    """Memory stays bounded: autograd keeps only the two inputs, nothing else of size (N, V)."""
+    logits = random_logits((4, 16, 50), 7, dtype=torch.bfloat16).requires_grad_(True)
+    ref = random_logits((4, 16, 50), 8, dtype=torch.bfloat16)
+    saved_bytes = []
+
+    def pack(t):
+        saved_bytes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = full_kl(logits, ref, chunk_size=8)
+    assert sum(saved_bytes) <= 2 * logits.numel() * logits.element_size()
+    out.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+
+
+def test_full_kl_half_inputs_give_float32():
+    logits = random_logits((3, 4, 17), 9, dtype=torch.bfloat16)
+    ref = random_logits((3, 4, 17), 10, dtype=torch.bfloat16)
+    out = full_kl(logits, ref)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, naive_full_kl(logits, ref).float(), rtol=1e-5, atol=1e-6)
+    assert full_kl(logits.half(), ref.half()).dtype == torch.float32
+
+
+def test_full_kl_temperature():
+    logits, ref = random_logits((3, 9), 11), random_logits((3, 9), 12)
+    for temperature in (0.5, 2.0):
+        out = full_kl(logits, ref, temperature=temperature)
+        torch.testing.assert_close(out, full_kl(logits / temperature, ref / temperature), rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(out, full_kl(logits, ref), rtol=1e-3)
+
+
+def test_full_kl_real_vocabulary_and_masked_tokens():
+    vocab = 151_936
+    logits = random_logits((3, vocab), 13, dtype=torch.float32)
+    ref = random_logits((3, vocab), 14, dtype=torch.float32)
+    logits[:, :1000] = -float("inf")  # e.g. tokens masked out of the policy: 0 * log 0 = 0
+    logits.requires_grad_(True)
+    out = full_kl(logits, ref, chunk_size=2)
+    # KL over the kept tokens, with ref normalised over the whole vocabulary
+    kept = slice(1000, None)
+    log_ref_mass_kept = torch.logsumexp(ref.double()[:, kept], -1) - torch.logsumexp(ref.double(), -1)
+    want = naive_full_kl(logits.detach()[:, kept], ref[:, kept]) - log_ref_mass_kept
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert torch.isfinite(logits.grad).all() and (logits.grad[:, :1000] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(chunk_size=0), "chunk_size"),
+    ],
+)
+def test_full_kl_rejects_bad_arguments(kwargs, match):
+    logits = random_logits((2, 5), 15)
+    with pytest.raises(ValueError, match=match):
+        full_kl(logits, logits, **kwargs)
+    with pytest.raises(ValueError, match="differ"):
+        full_kl(logits, logits[:, :4])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KL-coefficient controllers
+
+
+def test_adaptive_controller_hand_worked():
+    ctrl = build_kl_controller("adaptive", kl_coef=0.1, target_kl=6.0, horizon=10_000)
+    assert isinstance(ctrl, AdaptiveKLController) and ctrl.value == 0.1
+    ctrl.update(current_kl=6.6, n_steps=256)  # e = 6.6/6 - 1 = 0.1: 0.1 * (1 + 0.1 * 0.0256)
+    assert ctrl.value == pytest.approx(0.100256, rel=1e-12)
+    ctrl.update(current_kl=12.0, n_steps=256)  # e = 1 clipped to 0.2: * 1.00512
+    assert ctrl.value == pytest.approx(0.10076931072, rel=1e-12)
+    ctrl.update(current_kl=0.0, n_steps=256)  # e = -1 clipped to -0.2: * 0.99488
+    assert ctrl.value == pytest.approx(0.10076931072 * 0.99488, rel=1e-12)
+
+
+@pytest.mark.parametrize("low, high", [(1.2, 100.0), (0.8, 0.0)])
+def test_adaptive_controller_clips_error_at_0_2(low, high):
+    a, b = AdaptiveKLController(0.1, 1.0, 100), AdaptiveKLController(0.1, 1.0, 100)
+    a.update(low, 10)
+    b.update(high, 10)
+    assert a.value == b.value == pytest.approx(0.1 * (1 + math.copysign(0.2, low - 1) * 0.1))
+
+
+def test_fixed_controller_never_moves():
+    ctrl = build_kl_controller("fixed", kl_coef=0.05)
+    assert isinstance(ctrl, FixedKLController)
+    ctrl.update(current_kl=100.0, n_steps=1000)
+    assert ctrl.value == 0.05
+
+
+def test_adaptive_controller_rejects_nan_kl():
+    ctrl = AdaptiveKLController(0.1, 1.0, 100)
+    with pytest.raises(ValueError, match="finite"):
+        ctrl.update(float("nan"), 10)
+    assert ctrl.value == 0.1
+
+
+@pytest.mark.parametrize("kind", KL_CTRL_TYPES)
+def test_controller_state_round_trip(kind):
+    a = build_kl_controller(kind, 0.2, target_kl=0.5, horizon=50)
+    for kl in (0.1, 0.9, 0.6):
+        a.update(kl, 8)
+    b = build_kl_controller(kind, 0.2, target_kl=0.5, horizon=50)
+    b.load_state_dict(a.state_dict())
+    assert b.value == a.value
+    for kl in (0.3, 2.0):
+        a.update(kl, 8)
+        b.update(kl, 8)
+        assert b.value == a.value
+    if kind == "adaptive":
+        assert a.value != 0.2
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("adaptive", 0.1, 6.0, 0), ["horizon", "0", "> 0"]),
+        (("adaptive", 0.1, 6.0, -5.0), ["horizon", "-5.0"]),
+        (("adaptive", 0.1, None, 100), ["target_kl", "None"]),
+        (("adaptive", 0.1, -1.0, 100), ["target_kl", "-1.0"]),
+        (("adaptive", 0.1, 0.0, 100), ["target_kl", "0.0"]),
+        (("fixed", -0.1, None, None), ["kl_coef", "-0.1", ">= 0"]),
+        (("adaptive", float("nan"), 6.0, 100), ["kl_coef", "nan"]),
+        (("linear", 0.1, 6.0, 100), ["'linear'", "fixed", "adaptive"]),
+        (("Fixed", 0.1, None, None), ["'Fixed'", "fixed", "adaptive"]),
+    ],
+)
+def test_invalid_controller_settings(args, words):
+    for call in (check_kl_ctrl, build_kl_controller):
+        with pytest.raises(ValueError) as info:
+            call(*args)
+        assert all(word in str(info.value) for word in words), str(info.value)
+    if args[0] == "adaptive":
+        with pytest.raises(ValueError):
+            AdaptiveKLController(*args[1:])
+
+
+def test_valid_controller_settings_pass_check():
+    check_kl_ctrl("fixed", 0.0)
+    check_kl_ctrl("fixed", 0.1, target_kl=None, horizon=None)
+    check_kl_ctrl("adaptive", 0.0, 6.0, 10_000)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kl_panel
+
+
+def test_kl_panel_matches_masked_means():
+    lp, ref = random_logprobs((4, 16), seed=3)
+    mask = torch.zeros(4, 16)
+    mask[0, :5] = mask[1, :16] = mask[2, :1] = 1  # row 3 fully masked out
+    panel = kl_panel(lp, ref, mask)
+    assert list(panel) == ["kl/k1", "kl/k2", "kl/k3", "kl/abs"]
+    keep = mask.bool()
+    for name in PANEL_ESTIMATORS:
+        want = kl_penalty(lp, ref, name).detach()[keep].mean().item()
+        assert isinstance(panel[f"kl/{name}"], float)
+        assert panel[f"kl/{name}"] == pytest.approx(want, rel=1e-6)
+    # garbage in masked-out positions (padding) changes nothing
+    lp2, ref2 = lp.detach().clone(), ref.detach().clone()
+    lp2[~keep], ref2[~keep] = float("nan"), float("inf")
+    assert kl_panel(lp2, ref2, mask) == panel
+    assert kl_panel(lp, ref, torch.zeros(4, 16)) == {f"kl/{n}": 0.0 for n in PANEL_ESTIMATORS}
