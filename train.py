@@ -281,17 +281,16 @@ def train_step(cfg, accelerator, models, optimizers, tokenizer, train_set, sampl
     update_metrics, skipped = ppo_update(cfg, accelerator, actor, critic, ref, *optimizers, batch, step, timer)
     metrics.update(update_metrics)
     # 6. Adaptive KL coefficient (per-token mean KL of the reward estimator, as in verl).
-    if cfg.algorithm.use_kl_in_reward:
+    if cfg.algorithm.use_kl_in_reward and math.isfinite(metrics["actor/reward_kl_penalty"]):
         kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size)
     if cfg.actor.use_kl_loss:
         metrics["actor/kl_coef"] = cfg.actor.kl_loss_coef
 
     # Everything below is logging: KL panel, scores, lengths, value fit, throughput.
     if ref is not None and cfg.trainer.log_kl_panel:
-        for name in kl.PANEL_ESTIMATORS:
-            metrics[f"kl/{name}"] = _global_masked_mean(
-                accelerator, kl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], name), mask)
-        metrics["kl/full"] = _global_masked_mean(accelerator, batch["full_kl"], mask)
+        panel = kl.kl_panel(batch["old_logprobs"], batch["ref_logprobs"], mask)
+        panel["kl/full"] = core_algos.masked_mean(batch["full_kl"], mask).item()
+        metrics.update(_token_weighted_mean(accelerator, panel, mask.sum()))
     clipped = ((lengths == mask.shape[1]) & (batch["response_ids"][:, -1] != tokenizer.eos_token_id)).float()
     sequence_rewards = (token_rewards * mask).sum(dim=1)
     local = {
@@ -309,8 +308,16 @@ def train_step(cfg, accelerator, models, optimizers, tokenizer, train_set, sampl
 
 
 def _global_masked_mean(accelerator, values, mask) -> float:
-    totals = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]).float(), "sum")
-    return (totals[0] / totals[1].clamp(min=1)).item()
+    """Mean over the valid tokens of all processes (not the mean of per-process means)."""
+    return _token_weighted_mean(accelerator, {"x": core_algos.masked_mean(values, mask).item()}, mask.sum())["x"]
+
+
+def _token_weighted_mean(accelerator, local_means: dict[str, float], num_tokens) -> dict[str, float]:
+    """Per-process token means -> means over all processes' tokens."""
+    weight = num_tokens.float().to(accelerator.device)
+    stacked = torch.tensor(list(local_means.values()), dtype=torch.float32, device=accelerator.device)
+    totals = accelerator.reduce(torch.cat([stacked * weight, weight.view(1)]), "sum")
+    return dict(zip(local_means, (totals[:-1] / totals[-1].clamp(min=1)).tolist()))
 
 
 # ----------------------------------------------------------------------------- main
