@@ -33,7 +33,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from rlhf import core_algos, kl
-from rlhf.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
+from rlhf.checkpoint import TrainerState, checkpoint_step, latest_checkpoint, list_checkpoints, save_checkpoint
 from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
 from rlhf.data import load_gsm8k, tokenize_prompts
 from rlhf.models import load_causal_lm, load_critic, load_tokenizer
@@ -174,6 +174,7 @@ def ppo_update(cfg: Config, accelerator, actor, critic, ref, actor_opt, critic_o
             agg = dict(num_tokens=num_tokens, num_seqs=mini_size * world, norm_len=num_response)
             micro_indices = mini_index.split(ac.ppo_micro_batch_size)
             loss_sums = defaultdict(float)
+            finite = {"actor": True, "critic": True}
             for i, micro_index in enumerate(micro_indices):
                 micro = slice_batch(batch, micro_index)
                 mask = micro["response_mask"]
@@ -198,6 +199,7 @@ def ppo_update(cfg: Config, accelerator, actor, critic, ref, actor_opt, critic_o
                         loss = loss + ac.kl_loss_coef * kl_loss
                         loss_sums["actor/kl_loss"] += kl_loss.item()
                     accelerator.backward(loss * world)
+                    finite["actor"] &= math.isfinite(loss.item())
                     loss_sums["actor/pg_loss"] += pg_loss.item()
                     record({k: v for k, v in pg_metrics.items() if k != "actor/pg_loss"})
                     record({"actor/entropy": core_algos.masked_mean(entropy.detach(), mask).item()})
@@ -207,16 +209,23 @@ def ppo_update(cfg: Config, accelerator, actor, critic, ref, actor_opt, critic_o
                         values, micro["values"], micro["returns"], mask, cfg.critic.cliprange_value,
                         ac.loss_agg_mode, **agg)
                     accelerator.backward(vf_loss * world)
+                    finite["critic"] &= math.isfinite(vf_loss.item())
                     loss_sums["critic/vf_loss"] += vf_loss.item()
                     record({k: v for k, v in vf_metrics.items() if k != "critic/vf_loss"})
-            record(loss_sums)  # losses: summed over micro-batches, averaged over mini-batches
+            # Losses: summed over micro-batches, averaged over mini-batches. Each process holds its share
+            # of the global mini-batch loss; x world so that train_step's mean over processes is their sum.
+            record({k: v * world for k, v in loss_sums.items()})
+            # One decision for all processes (a loss may be non-finite on one only), or the copies drift apart.
+            num_bad = accelerator.reduce(torch.tensor([not finite["actor"], not finite["critic"]],
+                                                      dtype=torch.float32, device=accelerator.device), "sum")
+            finite = {"actor": num_bad[0].item() == 0, "critic": num_bad[1].item() == 0}
             for name, model, opt, clip in (("actor", actor, actor_opt, ac.grad_clip),
                                            ("critic", critic, critic_opt, cfg.critic.grad_clip)):
                 with timer(f"update_{name}"):
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
-                    if torch.isfinite(grad_norm):
+                    if torch.isfinite(grad_norm) and finite[name]:
                         opt.step()
-                    else:  # a non-finite gradient never reaches the weights
+                    else:  # a non-finite loss or gradient never reaches the weights
                         skipped += 1
                     opt.zero_grad(set_to_none=True)
                 record({f"{name}/grad_norm": grad_norm.item()})
@@ -273,10 +282,10 @@ def train_step(cfg, accelerator, models, optimizers, tokenizer, train_set, sampl
         token_rewards = token_rewards - kl_ctrl.value * reward_kl
         current_kl = _global_masked_mean(accelerator, reward_kl, mask)
         metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_ctrl.value})
-    # 4. Advantages: GAE, whitened over valid tokens.
+    # 4. Advantages: GAE, whitened over the valid tokens of the global batch (all processes).
     advantages, returns = core_algos.compute_gae(token_rewards, batch["values"], mask,
                                                  cfg.algorithm.gamma, cfg.algorithm.lam)
-    batch.update(advantages=core_algos.masked_whiten(advantages, mask), returns=returns)
+    batch.update(advantages=_global_whiten(accelerator, advantages, mask), returns=returns)
     # 5. PPO epochs.
     update_metrics, skipped = ppo_update(cfg, accelerator, actor, critic, ref, *optimizers, batch, step, timer)
     metrics.update(update_metrics)
@@ -307,6 +316,17 @@ def train_step(cfg, accelerator, models, optimizers, tokenizer, train_set, sampl
     return metrics, skipped, num_tokens
 
 
+def _global_whiten(accelerator, x, mask, eps: float = 1e-8):
+    """core_algos.masked_whiten with the mean and unbiased variance of all processes' valid tokens, so
+    that N processes whiten as one process holding the whole batch does (verl whitens on the driver)."""
+    valid = mask.bool()
+    total, count = accelerator.reduce(torch.stack([torch.where(valid, x, 0).sum(), mask.sum().to(x.dtype)]), "sum")
+    mean = total / count.clamp(min=1)
+    square_sum = accelerator.reduce(torch.where(valid, (x - mean) ** 2, 0).sum(), "sum")
+    var = square_sum / (count - 1).clamp(min=1)  # Bessel's correction, as masked_var
+    return torch.where(valid, (x - mean) * torch.rsqrt(var + eps), 0)
+
+
 def _global_masked_mean(accelerator, values, mask) -> float:
     """Mean over the valid tokens of all processes (not the mean of per-process means)."""
     return _token_weighted_mean(accelerator, {"x": core_algos.masked_mean(values, mask).item()}, mask.sum())["x"]
@@ -328,6 +348,11 @@ def main(cfg: Config) -> dict[str, float]:
     accelerator = Accelerator(
         log_with="wandb" if cfg.trainer.logger == "wandb" and wandb_available() else None,
         mixed_precision=cfg.trainer.mixed_precision)
+    launched = int(os.environ.get("WORLD_SIZE", accelerator.num_processes))
+    if launched != accelerator.num_processes:  # else N copies of a 1-process run would write the same files
+        raise ConfigError(f"{launched} processes were launched (WORLD_SIZE={launched}) but accelerate set up "
+                          f"{accelerator.num_processes}. With no GPU, run them on the CPU (gloo): "
+                          "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 train.py ...")
     validate(cfg, num_processes=accelerator.num_processes)  # per-process batch arithmetic
     if cfg.trainer.logger == "wandb" and not wandb_available():
         accelerator.print("warning: wandb is not installed; logging to metrics.jsonl only.")
@@ -344,7 +369,7 @@ def main(cfg: Config) -> dict[str, float]:
         print(f"resolved config:\n{resolved}")
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             f.write(resolved)
-    set_seed(cfg.trainer.seed)
+    set_seed(cfg.trainer.seed, device_specific=True)  # seed + process index: ranks sample different tokens
 
     tokenizer, train_set, val_set, actor, critic, ref = prepare_data_and_models(cfg, accelerator)
     accelerator.print(f"train prompts: {len(train_set)}, held-out: {len(val_set)}, "
@@ -364,9 +389,9 @@ def main(cfg: Config) -> dict[str, float]:
         accelerator.load_state(resume_dir)
         sampler.load_state_dict(state.sampler)
         kl_ctrl.load_state_dict(state.kl_ctrl)
-        if accelerator.is_main_process:
-            truncate_metrics(os.path.join(out_dir, "metrics.jsonl"), state.step)
         accelerator.print(f"resumed from {resume_dir} at step {state.step}")
+    if accelerator.is_main_process:  # keep the rows up to the checkpoint; a fresh run starts a new file
+        truncate_metrics(os.path.join(out_dir, "metrics.jsonl"), state.step if resume_dir else -1)
 
     logger = MetricsLogger(accelerator, out_dir, use_wandb=bool(accelerator.log_with))
     logger.start(cfg.trainer.project_name, to_dict(cfg), cfg.trainer.experiment_name, cfg.trainer.group,
@@ -376,7 +401,11 @@ def main(cfg: Config) -> dict[str, float]:
     stop = {"signal": None}
 
     def request_stop(signum, _frame):  # finish the step, checkpoint, exit cleanly
+        if stop["signal"]:  # a second Ctrl-C: stop now, without a checkpoint
+            raise KeyboardInterrupt
         stop["signal"] = signal.Signals(signum).name
+        print(f"{stop['signal']} received: finishing this step, then saving a checkpoint "
+              "(send it again to stop at once).", flush=True)
 
     previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -409,20 +438,39 @@ def main(cfg: Config) -> dict[str, float]:
             logger.log(metrics, step=step)
             progress.set_postfix(score=f"{metrics['critic/score/mean']:.2f}", kl=f"{metrics.get('kl/full', 0):.4f}")
             if state.bad_steps >= cfg.trainer.max_bad_steps:
-                raise RuntimeError(f"{state.bad_steps} steps in a row had a non-finite loss or gradient "
-                                   f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}); stopping. Their "
-                                   "updates were skipped, so the weights are those from before the first bad step.")
-            if step == total or (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or stop["signal"]:
+                raise BadStepsError(bad_steps_message(cfg, step - state.bad_steps + 1, step))
+            # Every process stops after the same step, even if only one of them got the signal.
+            stopping = accelerator.reduce(torch.tensor([float(bool(stop["signal"]))], device=accelerator.device),
+                                          "sum").item() > 0
+            periodic = cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0
+            # No periodic checkpoint during a run of bad steps: the latest one stays from before them.
+            if step == total or stopping or (periodic and not state.bad_steps):
                 path = checkpoint(step)
-                if stop["signal"]:
-                    accelerator.print(f"{stop['signal']} received: saved {path} after step {step}. Resume with:\n"
-                                      f"  python train.py ... trainer.output_dir={out_dir} trainer.resume_from=auto")
+                if stopping:
+                    accelerator.print(f"{stop['signal'] or 'stop'} received: saved {path} after step {step}. "
+                                      f"Resume with:\n  python train.py ... trainer.output_dir={out_dir} "
+                                      "trainer.resume_from=auto")
                     break
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
         logger.finish()
     return metrics
+
+
+class BadStepsError(RuntimeError):
+    """trainer.max_bad_steps steps in a row had a non-finite loss or gradient."""
+
+
+def bad_steps_message(cfg: Config, first_bad: int, step: int) -> str:
+    out_dir = cfg.trainer.output_dir
+    before = [c for c in list_checkpoints(out_dir) if checkpoint_step(c) < first_bad]
+    where = (f"The latest checkpoint from before them is {before[-1]}; resume from it with a lower actor.lr / "
+             f"critic.lr or grad_clip: python train.py ... trainer.output_dir={out_dir} trainer.resume_from=auto"
+             if before else f"No checkpoint was saved before them (trainer.save_freq={cfg.trainer.save_freq}).")
+    return (f"steps {first_bad}..{step} all had a non-finite loss or gradient (trainer.max_bad_steps="
+            f"{cfg.trainer.max_bad_steps}); stopping. Their non-finite updates were skipped, so no NaN or inf "
+            f"reached the weights. {where}")
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -432,11 +480,13 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.kl_loss_type=k3+")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
+        main(load_config(args.config, args.overrides))
+    except ConfigError as e:  # raised before any model loads (main() checks what needs the process count)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    main(cfg)
+    except BadStepsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

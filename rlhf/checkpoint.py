@@ -47,6 +47,11 @@ def list_checkpoints(output_dir: str) -> list[str]:
     return [os.path.join(root, name) for _, name in sorted(found)]
 
 
+def checkpoint_step(path: str) -> int:
+    """`.../checkpoints/step_12` -> 12."""
+    return int(_STEP_DIR.match(os.path.basename(os.path.normpath(path))).group(1))
+
+
 def latest_checkpoint(output_dir: str) -> str | None:
     found = list_checkpoints(output_dir)
     return found[-1] if found else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -149,7 +150,10 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             try:
                 raw = yaml.safe_load(f) or {}
             except yaml.YAMLError as e:
-                raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+                mark = getattr(e, "problem_mark", None)
+                where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+                problem = getattr(e, "problem", None) or " ".join(str(e).split())
+                raise ConfigError(f"config file {path!r} is not valid YAML{where}: {problem}.") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path!r} must hold a mapping of sections, got {type(raw).__name__}.")
     cfg = _build(Config, raw, prefix="")
@@ -157,7 +161,11 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. actor.kl_loss_type=k3+).")
-        set_value(cfg, key.strip(), yaml.safe_load(value) if value.strip() else None)
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            parsed = value  # not YAML (e.g. "[run"): kept as text, which the type check refuses for non-str keys
+        set_value(cfg, key.strip(), parsed)
     validate(cfg)
     return cfg
 
@@ -255,7 +263,10 @@ def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
 
 def _divides(small_key: str, small: int, big_key: str, big: int) -> None:
     if big % small:
-        raise ConfigError(f"{big_key}={big} is not divisible by {small_key}={small}; choose sizes that divide.")
+        low = [d for d in range(1, math.isqrt(big) + 1) if big % d == 0]
+        divisors = ", ".join(str(d) for d in sorted(set(low + [big // d for d in low])))
+        raise ConfigError(f"{big_key}={big} is not divisible by {small_key}={small}; choose sizes that divide "
+                          f"(divisors of {big}: {divisors}).")
 
 
 def validate(cfg: Config, num_processes: int = 1) -> None:

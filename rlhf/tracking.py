@@ -43,10 +43,20 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(path: str, last_step: int) -> None:
-    """Drop rows after `last_step` (written after the checkpoint we resume from), so no step repeats."""
+    """Drop rows after `last_step` (written after the checkpoint we resume from), so no step repeats.
+
+    A line that does not parse is the torn end of a run killed mid-write, and is dropped too.
+    """
     if not os.path.exists(path):
         return
-    rows = [r for r in read_metrics(path) if r["step"] <= last_step]
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    rows = [r for r in rows if r["step"] <= last_step]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -1,0 +1,172 @@
+"""GSM8K loading: hub datasets and local files through one code path, prompts, tokenization.
+
+    train = load_gsm8k("openai/gsm8k", "train")                 # the hub (needs network)
+    val = load_gsm8k("data/val.jsonl", "test")                   # a local .jsonl/.json/.parquet file
+    prompts, num_filtered = tokenize_prompts(train, tokenizer, max_prompt_length=256)
+
+Every row carries `question`, `answer` (GSM8K's reasoning ending in `#### N`) and `ground_truth` (the
+normalised N, parsed by `rlhf.rewards.gsm8k.extract_ground_truth`, the same parser the reward uses).
+Bad rows are an error naming their indices, never silently dropped: a dataset that loses rows without a
+word gives accuracies that cannot be compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+
+import datasets
+
+from rlhf.rewards.gsm8k import extract_ground_truth
+
+# The instruction verl's GSM8K preprocessing appends to each question, so "####" marks the final answer.
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
+_MAX_NAMED = 5  # bad rows named in an error message; the count is always given
+
+
+def build_prompt(tokenizer, question: str) -> str:
+    """The prompt text for one question: `question + " " + INSTRUCTION`, wrapped in the tokenizer's chat
+    template as a user turn followed by the assistant header, or plain text if it has no template."""
+    content = f"{question} {INSTRUCTION}"
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+    return content
+
+
+def _is_local(source: str) -> bool:
+    return source.endswith(SUPPORTED_EXTENSIONS) or os.path.exists(source)
+
+
+def _format_bad_rows(bad: Sequence[int], total: int, where: str) -> str:
+    named = ", ".join(str(i) for i in bad[:_MAX_NAMED]) + (", ..." if len(bad) > _MAX_NAMED else "")
+    return (f"{where}: {len(bad)} of {total} rows lack a question or an answer ending in a parseable "
+            f'"#### <number>" (0-based row indices: {named}).')
+
+
+def _bad_rows(questions: Iterable, answers: Iterable) -> list[int]:
+    """Indices of rows whose question is empty/missing or whose answer has no parseable `#### N`."""
+    bad = []
+    for i, (question, answer) in enumerate(zip(questions, answers, strict=True)):
+        if not isinstance(question, str) or not question.strip() or not isinstance(answer, str) \
+                or extract_ground_truth(answer) is None:
+            bad.append(i)
+    return bad
+
+
+def _check_columns(columns: Iterable[str], where: str) -> None:
+    missing = [c for c in ("question", "answer") if c not in columns]
+    if missing:
+        raise ValueError(f"{where}: missing column(s) {missing}; GSM8K rows need 'question' and 'answer' "
+                         f"(found {sorted(columns)}).")
+
+
+def check_data_file(path: str) -> int:
+    """Cheap validation of a local GSM8K file before any model loads; returns its number of rows.
+
+    Raises ValueError if the file is missing, has an unsupported extension, holds invalid JSON (the line
+    number is given for JSON lines), lacks the `question`/`answer` columns, or has rows without a
+    parseable `#### N` answer (the first bad row indices are given).
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {path!r} does not exist.")
+    ext = os.path.splitext(path)[1]
+    if ext not in SUPPORTED_EXTENSIONS:
+        raise ValueError(f"data file {path!r}: unsupported extension {ext!r}; "
+                         f"use one of {', '.join(SUPPORTED_EXTENSIONS)}.")
+    if ext == ".parquet":
+        import pyarrow.parquet as pq  # a dependency of `datasets`
+
+        table = pq.read_table(path)
+        _check_columns(table.column_names, f"data file {path!r}")
+        rows = table.select(["question", "answer"]).to_pydict()
+        questions, answers = rows["question"], rows["answer"]
+    else:
+        records = _read_json_records(path)
+        for i, record in enumerate(records):
+            if not isinstance(record, dict):
+                raise ValueError(f"data file {path!r}: row {i} is a {type(record).__name__}, not an object "
+                                 "with 'question' and 'answer'.")
+        _check_columns(set().union(*records) if records else (), f"data file {path!r}")
+        questions = [r.get("question") for r in records]
+        answers = [r.get("answer") for r in records]
+    if not questions:
+        raise ValueError(f"data file {path!r} has no rows.")
+    bad = _bad_rows(questions, answers)
+    if bad:
+        raise ValueError(_format_bad_rows(bad, len(questions), f"data file {path!r}"))
+    return len(questions)
+
+
+def _read_json_records(path: str) -> list:
+    """Rows of a .json (one array, or JSON lines as `datasets` also accepts) or .jsonl file."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"data file {path!r}: invalid JSON at line {e.lineno}: {e.msg}.") from None
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"data file {path!r}: invalid JSON on line {lineno}: {e.msg}.") from None
+    return records
+
+
+def load_gsm8k(source: str, split: str, subset: str = "main") -> datasets.Dataset:
+    """GSM8K as a Dataset with columns question, answer, ground_truth (the normalised final number).
+
+    `source` is a hub dataset name ("openai/gsm8k", loaded as `load_dataset(source, subset, split=split)`)
+    or a local .jsonl/.json/.parquet file (the whole file is the split; `subset` is ignored). Raises
+    ValueError naming the first bad rows if any row lacks a question or a parseable `#### N` answer.
+    """
+    if _is_local(source):
+        check_data_file(source)  # clear messages (missing file, bad line) before `datasets` sees it
+        builder = "parquet" if source.endswith(".parquet") else "json"
+        ds = datasets.load_dataset(builder, data_files={split: source}, split=split)
+    else:
+        ds = datasets.load_dataset(source, subset, split=split)
+    where = f"dataset {source!r} (split {split!r})"
+    _check_columns(ds.column_names, where)
+    bad = _bad_rows(ds["question"], ds["answer"])
+    if bad:
+        raise ValueError(_format_bad_rows(bad, len(ds), where))
+    ds = ds.select_columns(["question", "answer"])
+    return ds.add_column("ground_truth", [extract_ground_truth(a) for a in ds["answer"]])
+
+
+def tokenize_prompts(dataset: datasets.Dataset, tokenizer, max_prompt_length: int
+                     ) -> tuple[datasets.Dataset, int]:
+    """Prompt token ids for each row: returns (Dataset with "input_ids" (list[int]) and "ground_truth",
+    num_filtered). Prompts longer than `max_prompt_length` tokens are dropped and counted, never cut: a
+    truncated question is a different problem with the same reference answer.
+    """
+    prompts = [build_prompt(tokenizer, q) for q in dataset["question"]]
+    # A chat template already writes every special token (e.g. Llama's BOS); adding them again would
+    # double them. Plain-text prompts get the tokenizer's usual specials.
+    add_special_tokens = not getattr(tokenizer, "chat_template", None)
+    input_ids = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]
+    keep = [i for i, ids in enumerate(input_ids) if len(ids) <= max_prompt_length]
+    ground_truth = dataset["ground_truth"]
+    out = datasets.Dataset.from_dict({
+        "input_ids": [list(input_ids[i]) for i in keep],
+        "ground_truth": [ground_truth[i] for i in keep],
+    })
+    return out, len(prompts) - len(keep)
+
+
+def write_jsonl(rows: Iterable[dict], path: str) -> None:
+    """Write one JSON object per line (UTF-8), creating parent directories."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")

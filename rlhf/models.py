@@ -1,0 +1,70 @@
+"""Loading the tokenizer, the policy and the critic by hub name or local path (one code path).
+
+    tokenizer = load_tokenizer(path)                 # left-padded, pad token guaranteed
+    policy = load_causal_lm(path, "bfloat16")
+    critic = load_critic(path, "float32")            # same backbone, scalar value head, values ~0 at start
+    values = critic_values(critic, input_ids, attention_mask)   # (B, T) float32
+
+The critic is the causal LM's backbone with a one-output token-classification head, as in TRL and verl:
+`AutoModelForTokenClassification` loads the backbone weights from a causal-LM checkpoint (Qwen2, Llama,
+...) and adds a fresh `score` head, which we zero so the first value estimates are exactly 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """"bfloat16" -> torch.bfloat16; torch dtypes pass through. Unknown names raise ValueError."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_tokenizer(path_or_name: str):
+    """AutoTokenizer with a pad token (the EOS token if it has none) and left padding, so that batched
+    prompts end where generation starts."""
+    tokenizer = AutoTokenizer.from_pretrained(path_or_name)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_causal_lm(path_or_name: str, dtype: str | torch.dtype = "float32"):
+    """The policy (or the frozen reference): AutoModelForCausalLM in `dtype`."""
+    return AutoModelForCausalLM.from_pretrained(path_or_name, dtype=resolve_dtype(dtype))
+
+
+def load_critic(path_or_name: str, dtype: str | torch.dtype = "float32"):
+    """A value model: the causal LM's backbone plus a new scalar head, zero-initialised (values start at 0).
+
+    Dropout before the head is switched off (transformers defaults it to 0.1): values computed in train
+    mode must equal those computed in eval mode, or value clipping compares noise.
+    """
+    config = AutoConfig.from_pretrained(path_or_name, num_labels=1)
+    config.classifier_dropout = 0.0
+    critic = AutoModelForTokenClassification.from_pretrained(path_or_name, config=config, dtype=resolve_dtype(dtype))
+    head = critic.score if hasattr(critic, "score") else critic.classifier
+    with torch.no_grad():
+        head.weight.zero_()
+        if head.bias is not None:
+            head.bias.zero_()
+    return critic
+
+
+def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Value estimates (B, T) in float32 for token ids (B, T), left padding allowed.
+
+    Position ids count real tokens only (as `generate` does for left-padded prompts), so a sequence gets
+    the same values whatever padding surrounds it.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return out.logits[..., 0].float()  # (B, T, 1) -> (B, T)

@@ -1,0 +1,129 @@
+"""The embedded default: generated problems, the local tokenizer, the cached warm-started model."""
+
+import json
+import os
+import re
+import time
+
+import pytest
+import torch
+
+from rlhf.data import INSTRUCTION, build_prompt, load_gsm8k
+from rlhf.embedded import EmbeddedConfig, config_hash, generate_problems, prepare_embedded_default
+from rlhf.models import load_causal_lm, load_tokenizer
+from rlhf.rewards.gsm8k import compute_score, extract_ground_truth
+
+TINY = EmbeddedConfig(num_train=96, num_val=32, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, vocab_size=400, sft_steps=8, sft_batch_size=8,
+                      sft_warmup_steps=2)
+_ANNOTATION = re.compile(r"^(\d+)([-+*/])(\d+)=<<(\d+)([-+*/])(\d+)=(\d+)>>(\d+)$")
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    return prepare_embedded_default(str(tmp_path_factory.mktemp("cache")), TINY, log=lambda *a: None)
+
+
+def test_generate_problems_deterministic_by_seed():
+    assert generate_problems(50, seed=3) == generate_problems(50, seed=3)
+    assert generate_problems(50, seed=3) != generate_problems(50, seed=4)
+    assert generate_problems(20, seed=3) == generate_problems(50, seed=3)[:20]
+
+
+def test_generated_answers_are_gsm8k_format_and_arithmetically_right():
+    max_value = 40
+    problems = generate_problems(400, seed=1, max_difficulty=3, max_value=max_value)
+    assert len({p["question"] for p in problems}) == 400
+    steps_seen = set()
+    for p in problems:
+        *lines, final = p["answer"].split("\n")
+        steps_seen.add(len(lines))
+        value = None
+        for line in lines:
+            a, op, b, a2, op2, b2, c, c2 = _ANNOTATION.match(line).groups()
+            assert (a, op, b, c) == (a2, op2, b2, c2)  # the text repeats the annotation
+            assert _OPS[op](int(a), int(b)) == int(c)
+            assert all(1 <= int(n) <= max_value for n in (a, b, c))
+            assert value is None or int(a) == value  # each step continues from the previous result
+            value = int(c)
+        assert final == f"#### {value}"
+        assert extract_ground_truth(p["answer"]) == str(value)
+        assert compute_score(p["answer"], extract_ground_truth(p["answer"])) == 1.0
+        first_operand = _ANNOTATION.match(lines[0]).group(1)
+        assert re.search(rf"\b{first_operand}\b", p["question"])  # the chain starts from a given number
+    assert steps_seen == {1, 2, 3}
+    assert max(len(p["answer"].split("\n")) for p in generate_problems(100, seed=1, max_difficulty=1)) == 2
+
+
+def test_generate_problems_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="max_difficulty"):
+        generate_problems(10, seed=0, max_difficulty=0)
+
+
+def test_splits_are_gsm8k_files_and_do_not_overlap(artifacts):
+    train = load_gsm8k(artifacts.train_file, "train")
+    val = load_gsm8k(artifacts.val_file, "test")
+    assert (len(train), len(val)) == (TINY.num_train, TINY.num_val)
+    assert not set(train["question"]) & set(val["question"])
+
+
+def test_tokenizer_splits_digits_round_trips_and_has_chat_template(artifacts):
+    tokenizer = load_tokenizer(artifacts.model_dir)
+    ids = tokenizer("12345 and 9081", add_special_tokens=False)["input_ids"]
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert [p for p in pieces if any(ch.isdigit() for ch in p)] == list("12345") + list("9081")
+
+    problem = generate_problems(5, seed=9)[4]
+    for text in (problem["question"], problem["answer"]):
+        assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+    assert tokenizer.chat_template
+    prompt = build_prompt(tokenizer, problem["question"])
+    assert prompt.startswith("<|im_start|>user\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert f"{problem['question']} {INSTRUCTION}" in prompt
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") in tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_model_is_tiny_qwen2_with_tied_embeddings(artifacts):
+    model = load_causal_lm(artifacts.model_dir)
+    tokenizer = load_tokenizer(artifacts.model_dir)
+    assert model.config.model_type == "qwen2"
+    assert model.config.hidden_size == TINY.hidden_size and model.config.num_hidden_layers == TINY.num_layers
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_warm_start_reduces_held_out_loss(artifacts):
+    assert artifacts.sft_val_loss_after < artifacts.sft_val_loss_before - 0.5
+
+
+def test_prepare_is_cached_and_keyed_on_config(artifacts):
+    cache_dir = os.path.dirname(os.path.dirname(artifacts.model_dir))
+    weights = os.path.join(artifacts.model_dir, "model.safetensors")
+    mtime = os.stat(weights).st_mtime_ns
+    logs = []
+    start = time.perf_counter()
+    again = prepare_embedded_default(cache_dir, TINY, log=logs.append)
+    assert time.perf_counter() - start < 1.0
+    assert again == artifacts
+    assert os.stat(weights).st_mtime_ns == mtime
+    assert any("reusing" in line for line in logs)
+    assert [n for n in os.listdir(cache_dir) if n.startswith(".tmp")] == []  # written atomically
+
+    assert config_hash(TINY) == config_hash(EmbeddedConfig(**vars(TINY)))
+    assert config_hash(TINY) != config_hash(EmbeddedConfig(**{**vars(TINY), "seed": 1}))
+    with open(os.path.join(os.path.dirname(artifacts.model_dir), "meta.json")) as f:
+        assert json.load(f)["config"] == vars(TINY)
+
+
+def test_prepare_is_deterministic_by_seed(artifacts, tmp_path):
+    again = prepare_embedded_default(str(tmp_path), TINY, log=lambda *a: None)
+    assert again.model_dir != artifacts.model_dir
+    with open(again.train_file) as f1, open(artifacts.train_file) as f2:
+        assert f1.read() == f2.read()
+    first, second = load_causal_lm(artifacts.model_dir), load_causal_lm(again.model_dir)
+    for (name, p1), (_, p2) in zip(first.named_parameters(), second.named_parameters()):
+        assert torch.equal(p1, p2), name
