@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -88,9 +89,16 @@ def test_end_to_end_placements(tiny_artifacts, tmp_path, placement, monkeypatch)
     # carry each metric's name and its JSON value, so look for them there.
     run_files = glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))
     assert len(run_files) == 1, os.listdir(os.path.join(out, "wandb"))
-    content = open(run_files[0], "rb").read()
-    for key in VERL_METRICS + KL_PANEL + ["val/accuracy"]:
-        assert key.encode() in content, key
+    # wandb-core may still be flushing the file when finish() returns: poll (bounded) before judging.
+    expected = [key.encode() for key in VERL_METRICS + KL_PANEL + ["val/accuracy"]]
+    deadline = time.monotonic() + 60
+    while True:
+        content = open(run_files[0], "rb").read()
+        missing = [key for key in expected if key not in content]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not missing
 
 
 def test_reference_is_frozen_during_training(tiny_artifacts, tmp_path, monkeypatch):
