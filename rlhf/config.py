@@ -61,6 +61,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
     top_k: int = 0  # 0 = off. Truncated sampling makes tokens non-samples of pi: KL estimates get biased
     top_p: float = 1.0  # 1.0 = off (same caveat)
+    ignore_eos: bool = False  # sample exactly data.max_response_length tokens (benchmarks); EOS stops generation otherwise
     log_prob_micro_batch_size: int = 16  # sequences per forward pass when computing log-probs/values
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig
 
-from rlhf.core_algos import entropy_from_logits, logprobs_from_logits
+from rlhf.core_algos import logprobs_from_logits
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,15 +31,17 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
 
 
 def sampling_config(tokenizer, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-                    top_p: float = 1.0, greedy: bool = False) -> GenerationConfig:
+                    top_p: float = 1.0, greedy: bool = False, ignore_eos: bool = False) -> GenerationConfig:
     """A complete GenerationConfig, so nothing leaks in from the checkpoint's generation_config.json
     (Qwen2.5-Instruct ships top_k=20, top_p=0.8, repetition_penalty=1.05: its samples would not be
-    samples of pi, and every KL estimate would be biased)."""
+    samples of pi, and every KL estimate would be biased). top_k=0 is passed as 0, not None: transformers
+    turns None into its default of 50. `ignore_eos` samples all `max_new_tokens` (benchmarks): an empty
+    EOS list, since None falls back to the model's own EOS."""
     common = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                  eos_token_id=tokenizer.eos_token_id, repetition_penalty=1.0)
+                  eos_token_id=[] if ignore_eos else tokenizer.eos_token_id, repetition_penalty=1.0)
     if greedy:
         return GenerationConfig(do_sample=False, **common)
-    return GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=top_p, **common)
+    return GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, **common)
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -58,7 +60,10 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     pad = gen_config.max_new_tokens - response_ids.shape[1]
     if pad > 0:  # every sequence stopped early: pad to a fixed width
         response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=tokenizer.pad_token_id)
-    response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+    if gen_config.eos_token_id == []:  # ignore_eos: every sampled token is part of the response
+        response_mask = torch.ones_like(response_ids)
+    else:
+        response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
     return build_batch(prompt_ids, prompt_mask, response_ids, response_mask)
 
@@ -93,13 +98,11 @@ def response_values(critic, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return out.logits[:, -num_response - 1:-1, 0].float()
 
 
-def logprobs_and_entropy(model, batch, temperature: float, with_entropy: bool = False):
-    """Log-probs (B, R) of the sampled tokens at the sampling temperature, in float32; the logits
-    (B, R, V) are returned too for the exact KL."""
+def logprobs_and_logits(model, batch, temperature: float):
+    """Log-probs (B, R) of the sampled tokens at the sampling temperature, in float32, and the logits
+    (B, R, V) they came from (for the exact KL and the entropy)."""
     logits = response_logits(model, batch)
-    logprobs = logprobs_from_logits(logits, batch["response_ids"], temperature)
-    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
-    return logprobs, entropy, logits
+    return logprobs_from_logits(logits, batch["response_ids"], temperature), logits
 
 
 def slice_batch(batch: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
