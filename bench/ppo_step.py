@@ -239,8 +239,8 @@ class TRLSide:
 
 
 def our_config(workdir: str, log_kl_panel: bool):
-    """Our Config for the workload; `rollout.ignore_eos=true` too if the trainer has that option."""
-    from rlhf.config import Config, load_config
+    """Our Config for the workload (no EOS stop: `rollout.ignore_eos=true`)."""
+    from rlhf.config import load_config
 
     overrides = [
         f"model.path={os.path.join(workdir, 'model')}", "model.dtype=float32",
@@ -252,10 +252,8 @@ def our_config(workdir: str, log_kl_panel: bool):
         "actor.ppo_epochs=1", f"actor.ppo_mini_batch_size={MINI_BATCH}", f"actor.ppo_micro_batch_size={MINI_BATCH}",
         f"actor.lr={LR}", f"critic.lr={LR}", "actor.clip_ratio=0.2", "critic.cliprange_value=0.2",
         f"trainer.log_kl_panel={str(log_kl_panel).lower()}", "trainer.logger=none", f"trainer.seed={SEED}",
-        f"trainer.output_dir={os.path.join(workdir, 'ours')}",
+        f"trainer.output_dir={os.path.join(workdir, 'ours')}", "rollout.ignore_eos=true",
     ]
-    if "ignore_eos" in Config().rollout.__dataclass_fields__:
-        overrides.append("rollout.ignore_eos=true")
     return load_config(None, overrides)
 
 
@@ -271,6 +269,7 @@ class OursSide:
         from rlhf import kl
         from rlhf.models import load_causal_lm, load_critic
         from rlhf.sampler import PromptSampler
+        from train import build_optimizers
 
         self.cfg_panel, self.cfg_minimal = our_config(workdir, True), our_config(workdir, False)
         cfg = self.cfg_panel
@@ -280,8 +279,7 @@ class OursSide:
         actor, critic = load_causal_lm(model_dir), load_critic(model_dir)
         ref = load_causal_lm(model_dir).eval().requires_grad_(False)
         actor.eval(), critic.eval()
-        actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
-        critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay)
+        actor_opt, critic_opt = build_optimizers(cfg, actor, critic)  # the trainer's own
         actor, critic, actor_opt, critic_opt = self.accelerator.prepare(actor, critic, actor_opt, critic_opt)
         self.models, self.optimizers = (actor, critic, ref.to(self.accelerator.device)), (actor_opt, critic_opt)
         self.train_set = Dataset.from_dict(prompts)
@@ -289,12 +287,11 @@ class OursSide:
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
         self.num_steps = 0
-        self.ignores_eos = getattr(cfg.rollout, "ignore_eos", False)
 
     def describe(self) -> str:
         opt = self.optimizers[0].optimizer
         return (f"{type(opt).__name__}(fused={opt.defaults.get('fused')}, foreach={opt.defaults.get('foreach')}) "
-                f"x2 (actor, critic); rollout.ignore_eos={'true' if self.ignores_eos else 'missing'}")
+                "x2 (actor, critic); rollout.ignore_eos=true")
 
     def step(self, log_kl_panel: bool = True) -> dict[str, float]:
         from train import Timer, train_step

@@ -46,8 +46,8 @@ class DataConfig:
     train_files: str = "embedded"  # "embedded", a hub dataset name ("openai/gsm8k") or a local .jsonl/.json/.parquet
     val_files: str = "embedded"  # same choices, for the held-out split
     subset: str = "main"  # hub config name (GSM8K has "main" and "socratic")
-    train_split: str = "train"
-    val_split: str = "test"
+    train_split: str = "train"  # split name for hub datasets (a local file is the whole split)
+    val_split: str = "test"  # held-out split name for hub datasets
     max_val_samples: int | None = None  # evaluate on the first N held-out problems (None = all)
     max_prompt_length: int = 256  # longer prompts are filtered (and counted), never cut
     max_response_length: int = 256  # generation stops at EOS or here
@@ -76,7 +76,7 @@ class KLCtrlConfig:
 @dataclass
 class AlgorithmConfig:
     gamma: float = 1.0  # GAE discount
-    lam: float = 0.95  # GAE lambda
+    lam: float = 1.0  # GAE lambda (verl's default: Monte-Carlo returns, unbiased by a young critic)
     use_kl_in_reward: bool = True  # token_reward_t = score_t - beta * kl_t
     kl_penalty: str = "k1"  # estimator for the reward (k1 is the principled choice there)
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
@@ -84,8 +84,8 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
+    lr: float = 1e-6  # AdamW learning rate of the policy
+    weight_decay: float = 0.0  # AdamW weight decay of the policy
     ppo_epochs: int = 1  # passes over each rollout batch
     ppo_mini_batch_size: int = 16  # sequences per optimizer step, over all processes
     ppo_micro_batch_size: int = 8  # sequences per forward/backward on each process
@@ -96,15 +96,15 @@ class ActorConfig:
     grad_clip: float = 1.0  # max gradient norm
     use_kl_loss: bool = False  # add kl_loss_coef * agg(kl(logprobs, ref_logprobs)) to the actor loss
     kl_loss_type: str = "low_var_kl"  # estimator for the loss (verl's default; see the KL table)
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = 0.001  # weight of the KL loss
 
 
 @dataclass
 class CriticConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
+    lr: float = 1e-5  # AdamW learning rate of the critic
+    weight_decay: float = 0.0  # AdamW weight decay of the critic
     cliprange_value: float = 0.5  # value clipping around the rollout values
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max gradient norm of the critic
 
 
 @dataclass
@@ -119,7 +119,7 @@ class TrainerConfig:
     logger: str = "wandb"  # wandb | none. wandb runs offline when there are no credentials
     test_freq: int = 10  # greedy evaluation every N steps (also at step 0 and at the end); 0 = only those
     save_freq: int = 0  # checkpoint every N steps (always at the end); 0 = only at the end
-    max_ckpt_to_keep: int = 2
+    max_ckpt_to_keep: int = 2  # older checkpoints are deleted
     resume_from: str | None = None  # a checkpoint directory, or "auto" for the latest in output_dir
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
     log_kl_panel: bool = True  # log kl/k1, kl/k2, kl/k3, kl/abs, kl/full every step (loads the reference even with no KL on)
