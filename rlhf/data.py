@@ -72,6 +72,8 @@ def check_data_file(path: str) -> int:
     number is given for JSON lines), lacks the `question`/`answer` columns, or has rows without a
     parseable `#### N` answer (the first bad row indices are given).
     """
+    if os.path.isdir(path):
+        raise ValueError(f"data file {path!r} is a directory; give a {'/'.join(SUPPORTED_EXTENSIONS)} file.")
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist.")
     ext = os.path.splitext(path)[1]

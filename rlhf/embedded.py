@@ -19,7 +19,7 @@ What it builds, in order:
 Everything is cached under `cache_dir/embedded-<hash of the config>`; a second call is near-instant.
 
 Simplifications: the problems are far easier than GSM8K (one quantity, at most three operations, numbers
-below `max_value`), and the model is ~1M parameters; this is a test bed for the RL loop, not a benchmark.
+up to `max_value`), and the model is ~1M parameters; this is a test bed for the RL loop, not a benchmark.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class EmbeddedConfig:
     num_heads: int = 4  # attention heads
     num_kv_heads: int = 2  # key/value heads (grouped-query attention, as in Qwen2)
     max_position_embeddings: int = 512  # longest sequence (prompt + response) the model is built for
-    sft_steps: int = 300  # supervised warm-start optimizer steps (0 = leave the model random)
+    sft_steps: int = 250  # supervised warm-start optimizer steps (0 = leave the model random)
     sft_batch_size: int = 32  # problems per warm-start step
     sft_lr: float = 3e-3  # peak AdamW learning rate of the warm start (linear warmup, cosine decay)
     sft_warmup_steps: int = 20  # linear warmup steps of the warm start
@@ -94,6 +94,7 @@ def _line(a: int, op: str, b: int, c: int) -> str:
 
 
 def _make_problem(rng: random.Random, num_steps: int, max_value: int) -> dict:
+    """One problem: a starting amount (or bags x items) changed by a chain of steps; division only last."""
     name, he, him = rng.choice(_NAMES)
     friend = rng.choice([n for n, _, _ in _NAMES if n != name])
     obj = rng.choice(_OBJECTS)

@@ -71,6 +71,9 @@ def test_check_data_file_errors(tmp_path):
     with pytest.raises(ValueError, match="nope.jsonl.*does not exist"):
         check_data_file(str(tmp_path / "nope.jsonl"))
 
+    with pytest.raises(ValueError, match="is a directory"):
+        check_data_file(str(tmp_path))
+
     csv = tmp_path / "rows.csv"
     csv.write_text("question,answer\n")
     with pytest.raises(ValueError, match=r"unsupported extension '.csv'"):

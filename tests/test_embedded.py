@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from rlhf.data import INSTRUCTION, build_prompt, load_gsm8k
-from rlhf.embedded import EmbeddedConfig, config_hash, generate_problems, prepare_embedded_default
+from rlhf.embedded import (EmbeddedConfig, build_model, config_hash, generate_problems, prepare_embedded_default,
+                            train_tokenizer)
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.rewards.gsm8k import compute_score, extract_ground_truth
 
 TINY = EmbeddedConfig(num_train=96, num_val=32, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=2, num_kv_heads=1, vocab_size=400, sft_steps=8, sft_batch_size=8,
-                      sft_warmup_steps=2)
+                      sft_lr=1e-2, sft_warmup_steps=2)
 _ANNOTATION = re.compile(r"^(\d+)([-+*/])(\d+)=<<(\d+)([-+*/])(\d+)=(\d+)>>(\d+)$")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}
 
@@ -84,6 +85,25 @@ def test_tokenizer_splits_digits_round_trips_and_has_chat_template(artifacts):
     assert f"{problem['question']} {INSTRUCTION}" in prompt
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
     assert tokenizer.convert_tokens_to_ids("<|im_start|>") in tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_trained_tokenizer_is_what_autotokenizer_loads_back(tmp_path):
+    """AutoTokenizer rebuilds a tokenizer saved next to a Qwen2 config with Qwen2's pre-tokenizer; the
+    trained one must already cut text the same way, or warm start and PPO would see different ids."""
+    problems = generate_problems(200, seed=5)
+    texts = [f"{p['question']} {INSTRUCTION}\n{p['answer']}" for p in problems]
+    trained = train_tokenizer(["user", "assistant"] + texts, 400)
+    trained.save_pretrained(str(tmp_path))
+    build_model(TINY, trained).config.save_pretrained(str(tmp_path))
+    loaded = load_tokenizer(str(tmp_path))
+
+    ids = trained(texts, add_special_tokens=False)["input_ids"]
+    assert ids == loaded(texts, add_special_tokens=False)["input_ids"]
+    digit_ids = {trained.convert_tokens_to_ids(str(d)) for d in range(10)}
+    numbers = trained("7 42 190 3005", add_special_tokens=False)["input_ids"]
+    assert [i for i in numbers if i in digit_ids] == [trained.convert_tokens_to_ids(c) for c in "7421903005"]
+    with_digits = [t for t in trained.get_vocab() if any(c in "0123456789" for c in t)]
+    assert sorted(with_digits) == list("0123456789")  # no merge ever joins a digit to anything
 
 
 def test_model_is_tiny_qwen2_with_tied_embeddings(artifacts):
