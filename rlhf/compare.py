@@ -119,8 +119,8 @@ def run_grid(arms: list[Arm], config: str, output_dir: str, cache_dir: str, shar
     """Run each arm as `python train.py --config ... overrides`, one after another.
 
     Returns {run name: "ok" | "skipped" | "failed (exit N)"}. Each run's stdout and stderr go to
-    `<output_dir>/<run>/train.log`; a run directory left by an earlier comparison is replaced (the
-    trainer appends to metrics.jsonl), unless `skip_done` and it already reached its last step.
+    `<output_dir>/<run>/train.log`; a run directory left by an earlier comparison is replaced (its old
+    checkpoints would otherwise mix with the new run's), unless `skip_done` and it already reached its last step.
     """
     status = {}
     for i, arm in enumerate(arms, 1):
