@@ -13,8 +13,17 @@ What it builds, in order:
    It has a minimal ChatML template, so the chat-template path of `build_prompt` is the one exercised.
 3. A tiny Qwen2ForCausalLM from a Qwen2Config (random init, tied embeddings).
 4. A short supervised warm start: next-token loss on the solution tokens only, given the prompt from
-   `build_prompt`. It is stopped early on purpose: the policy should solve some problems (so sampled
-   rewards are not all zero) and fail on many (so PPO has something to improve).
+   `build_prompt`, ending with EOS. It leaves the policy mid-range on purpose: it solves some problems
+   (so sampled rewards are not all zero) and fails on many (so PPO has something to improve).
+
+The warm-start demos carry one planted habit: in `sft_early_answer_frac` of the multi-step demos the
+final line reports the *first* step's result instead of the last (answering a sub-question, a common
+GSM8K error). The data files and the reward are unaffected. Why: with clean demos, a few hundred
+CPU-seconds of PPO on this model barely move greedy accuracy (it has to learn more arithmetic, which
+is slow); a habit the reward contradicts is what RL removes quickly, so the RL loop shows its effect
+within minutes (held-out greedy accuracy 0.42 -> 0.67 in 40 steps of `configs/tiny.yaml`; the README
+has the breakdown), much like RL fine-tuning mostly reshapes which of its known behaviours a pretrained
+model uses. `sft_early_answer_frac=0` gives clean demos.
 
 Everything is cached under `cache_dir/embedded-<hash of the config>`; a second call is near-instant.
 
@@ -41,7 +50,7 @@ import torch.nn.functional as F
 # that need them: `rlhf.config` imports this module for `EmbeddedConfig`, and validation should stay fast.
 
 # Bump when the generated data, tokenizer or warm start change, so stale caches are not reused.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 @dataclass
@@ -58,10 +67,11 @@ class EmbeddedConfig:
     num_heads: int = 4  # attention heads
     num_kv_heads: int = 2  # key/value heads (grouped-query attention, as in Qwen2)
     max_position_embeddings: int = 512  # longest sequence (prompt + response) the model is built for
-    sft_steps: int = 250  # supervised warm-start optimizer steps (0 = leave the model random)
+    sft_steps: int = 400  # supervised warm-start optimizer steps (0 = leave the model random)
     sft_batch_size: int = 32  # problems per warm-start step
     sft_lr: float = 3e-3  # peak AdamW learning rate of the warm start (linear warmup, cosine decay)
     sft_warmup_steps: int = 20  # linear warmup steps of the warm start
+    sft_early_answer_frac: float = 0.8  # share of multi-step demos whose "#### N" gives the first step's result
 
 
 @dataclass
@@ -220,6 +230,21 @@ def _sft_examples(problems: list[dict], tokenizer) -> list[tuple[list[int], list
     return [(p, r + [tokenizer.eos_token_id]) for p, r in zip(prompt_ids, response_ids)]
 
 
+def _answer_with_first_result(answer: str) -> str:
+    """The same reasoning lines, but the final `#### N` line reports the first line's result."""
+    *lines, _ = answer.split("\n")
+    return "\n".join(lines + [f"#### {lines[0].rsplit('>>', 1)[1]}"])
+
+
+def warm_start_demos(problems: list[dict], cfg: EmbeddedConfig) -> list[dict]:
+    """The demos the warm start imitates: `problems`, except that `cfg.sft_early_answer_frac` of the
+    multi-step ones (chosen by `cfg.seed`) end with the first step's result (the planted habit)."""
+    rng = random.Random(cfg.seed)
+    return [{**p, "answer": _answer_with_first_result(p["answer"])}
+            if p["answer"].count("\n") >= 2 and rng.random() < cfg.sft_early_answer_frac else p
+            for p in problems]
+
+
 def _collate(examples, pad_token_id: int):
     """Right-padded (input_ids, attention_mask, labels), each (B, T); labels are -100 off the solution."""
     length = max(len(p) + len(r) for p, r in examples)
@@ -245,7 +270,7 @@ def supervised_warm_start(model, tokenizer, train: list[dict], val: list[dict], 
                           log=print) -> tuple[float, float]:
     """Train `model` in place for `cfg.sft_steps` AdamW steps on the solution tokens of `train`; returns
     the loss on (up to 64) `val` problems before and after."""
-    examples = _sft_examples(train, tokenizer)
+    examples = _sft_examples(warm_start_demos(train, cfg), tokenizer)
     val_batch = _collate(_sft_examples(val[:64], tokenizer), tokenizer.pad_token_id)
     generator = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)

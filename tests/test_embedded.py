@@ -10,7 +10,7 @@ import torch
 
 from rlhf.data import INSTRUCTION, build_prompt, load_gsm8k
 from rlhf.embedded import (EmbeddedConfig, build_model, config_hash, generate_problems, prepare_embedded_default,
-                            train_tokenizer)
+                            train_tokenizer, warm_start_demos)
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.rewards.gsm8k import compute_score, extract_ground_truth
 
@@ -60,6 +60,25 @@ def test_generated_answers_are_gsm8k_format_and_arithmetically_right():
 def test_generate_problems_rejects_bad_arguments():
     with pytest.raises(ValueError, match="max_difficulty"):
         generate_problems(10, seed=0, max_difficulty=0)
+
+
+def test_warm_start_demos_plant_the_early_answer_habit():
+    problems = generate_problems(400, seed=2)
+    multi = [i for i, p in enumerate(problems) if p["answer"].count("\n") >= 2]
+    assert warm_start_demos(problems, EmbeddedConfig(sft_early_answer_frac=0.0)) == problems
+
+    demos = warm_start_demos(problems, EmbeddedConfig(sft_early_answer_frac=1.0))
+    for i, (p, d) in enumerate(zip(problems, demos)):
+        *lines, final = p["answer"].split("\n")
+        *demo_lines, demo_final = d["answer"].split("\n")
+        assert d["question"] == p["question"] and demo_lines == lines  # same reasoning, same problem
+        first_result = _ANNOTATION.match(lines[0]).group(7)
+        assert demo_final == (f"#### {first_result}" if i in multi else final)
+
+    half = warm_start_demos(problems, EmbeddedConfig(sft_early_answer_frac=0.5))
+    changed = [i for i, (p, d) in enumerate(zip(problems, half)) if p != d]
+    assert set(changed) <= set(multi) and 0.35 < len(changed) / len(multi) < 0.65
+    assert half == warm_start_demos(problems, EmbeddedConfig(sft_early_answer_frac=0.5))  # seeded
 
 
 def test_splits_are_gsm8k_files_and_do_not_overlap(artifacts):
