@@ -38,7 +38,7 @@ from rlhf.config import Config, ConfigError, load_config, to_dict, validate, war
 from rlhf.data import load_gsm8k, tokenize_prompts
 from rlhf.models import load_causal_lm, load_critic, load_tokenizer
 from rlhf.rewards.gsm8k import compute_score
-from rlhf.rollout import (generate, left_pad, logprobs_and_logits, response_values, sampling_config,
+from rlhf.rollout import (SamplingParams, generate, left_pad, logprobs_and_logits, response_values,
                           slice_batch)
 from rlhf.sampler import PromptSampler
 from rlhf.tracking import MetricsLogger, truncate_metrics, wandb_available
@@ -246,7 +246,7 @@ def ppo_update(cfg: Config, accelerator, actor, critic, ref, actor_opt, critic_o
 @torch.no_grad()
 def evaluate(cfg: Config, accelerator, actor, tokenizer, val_set) -> float:
     """Greedy accuracy on the held-out split; each process takes its share, counts are summed."""
-    gen_config = sampling_config(tokenizer, cfg.data.max_response_length, greedy=True)
+    params = SamplingParams(cfg.data.max_response_length, greedy=True)
     model = accelerator.unwrap_model(actor)
     correct = total = 0
     with accelerator.split_between_processes(list(range(len(val_set)))) as mine:
@@ -255,7 +255,7 @@ def evaluate(cfg: Config, accelerator, actor, tokenizer, val_set) -> float:
             rows = val_set[mine[start:start + cfg.data.val_batch_size]]
             prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
             batch = generate(model, tokenizer, prompt_ids.to(accelerator.device),
-                             prompt_mask.to(accelerator.device), gen_config)
+                             prompt_mask.to(accelerator.device), params)
             scores = score_responses(tokenizer, batch, rows["ground_truth"], cfg.data.reward_method)
             correct, total = correct + scores.sum().item(), total + len(scores)
     counts = accelerator.reduce(torch.tensor([correct, total], dtype=torch.float64, device=accelerator.device), "sum")
@@ -271,14 +271,14 @@ def train_step(cfg, accelerator, models, optimizers, tokenizer, train_set, sampl
     rows = train_set[global_indices[rank * share:(rank + 1) * share]]
     prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
     r = cfg.rollout
-    gen_config = sampling_config(tokenizer, cfg.data.max_response_length, r.temperature, r.top_k, r.top_p,
-                                 ignore_eos=r.ignore_eos)
+    params = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p,
+                            ignore_eos=r.ignore_eos)
     device = accelerator.device
 
     # 1. Rollout.
     with timer("gen"):
         batch = generate(accelerator.unwrap_model(actor), tokenizer, prompt_ids.to(device),
-                         prompt_mask.to(device), gen_config)
+                         prompt_mask.to(device), params)
     mask = batch["response_mask"]
     # 2. Log-probs of the sampled tokens (old policy, reference), exact KL per token, values.
     rollout_forward(cfg, actor, ref, critic, batch, timer)

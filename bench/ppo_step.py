@@ -16,7 +16,8 @@ TRL cannot score by rule, so it also gets a reward model of the same size and ru
 step; our side scores GSM8K by rule and skips that pass. The output says so.
 The policy is left at its random init: it rarely samples EOS, so no side could stop generating early
 even if it tried. One step of TRL and of ours is checked before timing: exactly 64 decoding steps
-(forward passes inside `generate`) and 2 optimizer steps per optimizer.
+(forward passes inside the generation call: TRL's `generate`, our decoding loop) and 2 optimizer steps per
+optimizer.
 
 How each side is timed, all in this one process, interleaved round by round (the order rotates every
 round) after warm-up, medians over `--iters` rounds:
@@ -26,8 +27,9 @@ round) after warm-up, medians over `--iters` rounds:
   The per-call set-up before `on_train_begin` (a few small tensors) is not counted, in TRL's favour.
 - ours: the wall time of `train.train_step(...)`, and its own per-phase timer.
 - "ours, estimator only": the same with `trainer.log_kl_panel=false`, for the KL panel's cost.
-- floor: `generate`; reference, old-policy and critic forwards without grad; two mini-batches of actor
-  and critic forward+backward with the simplest losses; the optimizer steps. No accelerate, no metrics.
+- floor: sampling with a bare KV-cache loop (one forward per token, `torch.multinomial`); reference,
+  old-policy and critic forwards without grad; two mini-batches of actor and critic forward+backward with
+  the simplest losses; the optimizer steps (fused AdamW). No accelerate, no metrics.
 Peak memory is measured per side in a fresh subprocess: one warm-up step, then the peak resident set
 size over 2 more steps (Linux VmHWM, reset through /proc/self/clear_refs just before them) minus the
 resident size at that moment. So it counts what a step allocates (activations, logits, caches) and not
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import io
 import json
 import os
@@ -120,11 +123,12 @@ def load_workload(workdir: str):
 
 
 @contextlib.contextmanager
-def count_decode_steps(model, counts: list[int]):
-    """Inside the block, every `model.generate` call appends how many forward passes it ran."""
-    original = model.generate
+def count_decode_steps(owner, name: str, model, counts: list[int]):
+    """Inside the block, every call of the generation function `owner.<name>` (TRL: `policy.generate`;
+    ours: `train.generate`, our decoding loop) appends how many forward passes of `model` it ran."""
+    original = getattr(owner, name)
 
-    def generate(*args, **kwargs):
+    def counted(*args, **kwargs):
         calls = [0]
         handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
         try:
@@ -133,11 +137,11 @@ def count_decode_steps(model, counts: list[int]):
             handle.remove()
             counts.append(calls[0])
 
-    model.generate = generate
+    setattr(owner, name, counted)
     try:
         yield
     finally:
-        del model.generate  # back to the class method
+        setattr(owner, name, original)
 
 
 @contextlib.contextmanager
@@ -228,7 +232,7 @@ class TRLSide:
     def check(self) -> None:
         """One step that must sample exactly RESPONSE_LENGTH tokens and take 2 optimizer steps."""
         decode_steps, optimizer_steps = [], []
-        with count_decode_steps(self.policy, decode_steps), \
+        with count_decode_steps(self.policy, "generate", self.policy, decode_steps), \
                 count_optimizer_steps([self.trainer.optimizer.optimizer], optimizer_steps):
             self.step()
         assert decode_steps == [RESPONSE_LENGTH], f"TRL ran {decode_steps} decoding steps, not [{RESPONSE_LENGTH}]"
@@ -310,7 +314,9 @@ class OursSide:
         """One step that must sample exactly RESPONSE_LENGTH tokens, take 2 optimizer steps per model and
         log the whole KL panel."""
         decode_steps, optimizer_steps = [], []
-        with count_decode_steps(self.accelerator.unwrap_model(self.models[0]), decode_steps), \
+        import train
+
+        with count_decode_steps(train, "generate", self.accelerator.unwrap_model(self.models[0]), decode_steps), \
                 count_optimizer_steps([opt.optimizer for opt in self.optimizers], optimizer_steps):
             self.step()
         assert decode_steps == [RESPONSE_LENGTH], f"ours ran {decode_steps} decoding steps, not [{RESPONSE_LENGTH}]"
@@ -340,8 +346,6 @@ class FloorSide:
     name = "floor (bare passes)"
 
     def __init__(self, workdir: str):
-        from transformers import GenerationConfig
-
         from rlhf.models import load_causal_lm, load_critic
         from rlhf.rollout import left_pad
 
@@ -349,14 +353,27 @@ class FloorSide:
         torch.manual_seed(SEED)
         self.actor, self.critic = load_causal_lm(model_dir).eval(), load_critic(model_dir).eval()
         self.ref = load_causal_lm(model_dir).eval().requires_grad_(False)
-        self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=LR, weight_decay=0.0)
-        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=LR, weight_decay=0.0)
+        # transformers 5.24 renamed the KV cache argument and output `past_key_values` -> `cache`.
+        self.cache_name = "cache" if "cache" in inspect.signature(self.actor.forward).parameters else "past_key_values"
+        # The fastest AdamW on this device, as the trainer and TRL's side use.
+        self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=LR, weight_decay=0.0, fused=True)
+        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=LR, weight_decay=0.0, fused=True)
         self.prompt_ids, self.prompt_mask = left_pad(prompts["input_ids"], tokenizer.pad_token_id)
-        # eos_token_id=[] turns EOS stopping off (None falls back to the model's generation_config), and
-        # top_k=0 turns top-k off (None falls back to transformers' default of 50).
-        self.gen_config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                           max_new_tokens=RESPONSE_LENGTH, eos_token_id=[],
-                                           pad_token_id=tokenizer.pad_token_id)
+
+    def _sample(self):
+        """(B, P+R): RESPONSE_LENGTH tokens sampled through the KV cache, one forward per token."""
+        ids, mask = self.prompt_ids, self.prompt_mask
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.actor(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        tokens = []
+        for t in range(RESPONSE_LENGTH):
+            tokens.append(torch.multinomial(torch.softmax(out.logits[:, -1].float(), dim=-1), 1))  # (B, 1)
+            if t + 1 < RESPONSE_LENGTH:
+                mask = torch.cat([mask, torch.ones_like(tokens[-1])], dim=1)
+                out = self.actor(input_ids=tokens[-1], attention_mask=mask, position_ids=positions[:, -1:] + t + 1,
+                                 use_cache=True, **{self.cache_name: getattr(out, self.cache_name)})
+        return torch.cat([ids, *tokens], dim=1)
 
     def _logprobs(self, model, inputs, response_ids):
         logits = model(**inputs, logits_to_keep=RESPONSE_LENGTH + 1, use_cache=False).logits[:, :-1]  # (B, R, V)
@@ -371,8 +388,7 @@ class FloorSide:
             seconds[name] = clock[-1] - clock[-2]
 
         with torch.no_grad():
-            sequences = self.actor.generate(input_ids=self.prompt_ids, attention_mask=self.prompt_mask,
-                                            generation_config=self.gen_config)  # (B, P+R)
+            sequences = self._sample()  # (B, P+R)
             lap("gen")
             response_ids = sequences[:, self.prompt_ids.shape[1]:]  # (B, R)
             attention_mask = torch.cat([self.prompt_mask, torch.ones_like(response_ids)], dim=1)

@@ -12,8 +12,11 @@ entry t belongs to response token t, predicted from the state prompt + response[
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
+
 import torch
-from transformers import GenerationConfig
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from rlhf.core_algos import logprobs_from_logits
 
@@ -30,18 +33,35 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
     return ids, mask
 
 
-def sampling_config(tokenizer, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-                    top_p: float = 1.0, greedy: bool = False, ignore_eos: bool = False) -> GenerationConfig:
-    """A complete GenerationConfig, so nothing leaks in from the checkpoint's generation_config.json
-    (Qwen2.5-Instruct ships top_k=20, top_p=0.8, repetition_penalty=1.05: its samples would not be
-    samples of pi, and every KL estimate would be biased). top_k=0 is passed as 0, not None: transformers
-    turns None into its default of 50. `ignore_eos` samples all `max_new_tokens` (benchmarks): an empty
-    EOS list, since None falls back to the model's own EOS."""
-    common = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                  eos_token_id=[] if ignore_eos else tokenizer.eos_token_id, repetition_penalty=1.0)
-    if greedy:
-        return GenerationConfig(do_sample=False, **common)
-    return GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, **common)
+@dataclass(frozen=True)
+class SamplingParams:
+    """How `generate` picks each token. Nothing else applies: the checkpoint's generation_config.json is
+    never read (Qwen2.5-Instruct's ships top_k=20, top_p=0.8, repetition_penalty=1.05, under which samples
+    would not be samples of pi and every KL estimate would be biased)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    greedy: bool = False  # argmax instead of sampling (evaluation)
+    ignore_eos: bool = False  # sample all max_new_tokens even after EOS (benchmarks)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens: the argmax, or an exact sample of softmax(logits / temperature) after
+    the optional top-k/top-p filters (transformers' own warpers)."""
+    logits = logits.float()
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        logits = TopKLogitsWarper(params.top_k)(None, logits)
+    if params.top_p < 1.0:
+        logits = TopPLogitsWarper(params.top_p)(None, logits)
+    # Gumbel-max: argmax(logits + G), G = -log(-log U) i.i.d., is distributed as softmax(logits). On CPU it
+    # is ~3x cheaper than torch.multinomial, which draws exponentials (0.17 vs 0.52 ms for 32 x 400).
+    gumbel = -torch.log(-torch.log(torch.rand_like(logits)))
+    return (logits + gumbel).argmax(dim=-1)
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -53,17 +73,47 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> tor
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-             gen_config: GenerationConfig) -> dict[str, torch.Tensor]:
-    """Sample (or greedily decode) one response per prompt and build the rollout batch."""
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config)
-    response_ids = out[:, prompt_ids.shape[1]:]
-    pad = gen_config.max_new_tokens - response_ids.shape[1]
+             params: SamplingParams) -> dict[str, torch.Tensor]:
+    """Sample (or greedily decode) one response per left-padded prompt and build the rollout batch.
+
+    A plain decoding loop over the model's KV cache, the same passes as `model.generate` (greedy output is
+    identical, see tests/test_rollout.py) without its per-token machinery, which costs ~10% of the
+    sampling time of a small model. Stops when every sequence has sampled EOS or after max_new_tokens.
+    """
+    batch_size, prompt_width = prompt_ids.shape
+    eos = None if params.ignore_eos else tokenizer.eos_token_id
+    # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
+    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, params.max_new_tokens)], dim=1)
+    position_ids = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # as in build_batch
+    # transformers 5.24 renamed the KV cache argument and output `past_key_values` -> `cache`; take either.
+    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
+                use_cache=True, logits_to_keep=1)
+    if getattr(out, cache_name, None) is None:
+        raise RuntimeError(f"{type(model).__name__} returned no KV cache; generation needs use_cache=True "
+                           "(gradient checkpointing in train mode turns it off)")
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
+    tokens = []
+    for t in range(params.max_new_tokens):
+        token = next_token(out.logits[:, -1], params)
+        if eos is not None:
+            token = token.masked_fill(finished, tokenizer.pad_token_id)  # nothing after a sequence's EOS
+            finished |= token == eos
+        tokens.append(token)
+        if t + 1 == params.max_new_tokens or (eos is not None and finished.all()):
+            break
+        out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :prompt_width + t + 1],
+                    position_ids=position_ids[:, -1:] + t + 1, use_cache=True,
+                    **{cache_name: getattr(out, cache_name)})
+
+    response_ids = torch.stack(tokens, dim=1)
+    pad = params.max_new_tokens - response_ids.shape[1]
     if pad > 0:  # every sequence stopped early: pad to a fixed width
         response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=tokenizer.pad_token_id)
-    if gen_config.eos_token_id == []:  # ignore_eos: every sampled token is part of the response
+    if eos is None:  # ignore_eos: every sampled token is part of the response
         response_mask = torch.ones_like(response_ids)
     else:
-        response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+        response_mask = response_mask_from_ids(response_ids, eos)
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
     return build_batch(prompt_ids, prompt_mask, response_ids, response_mask)
 
@@ -77,7 +127,7 @@ def build_batch(prompt_ids, prompt_mask, response_ids, response_mask) -> dict[st
         "response_mask": response_mask,
         "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
         "attention_mask": attention_mask,
-        # Left padding: count positions over real tokens only, as generate() does.
+        # Left padding: count positions over real tokens only, as `generate` (and transformers') does.
         "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
     }
 

@@ -1,10 +1,15 @@
-"""Sampling and the forward passes: tokens are true samples of pi, and the log-probs the trainer computes
-are those of the distribution the tokens were sampled from (left padding included)."""
+"""Sampling and the forward passes: tokens are true samples of pi, our decoding loop makes the same passes
+as transformers' `generate`, and the log-probs the trainer computes are those of the distribution the
+tokens were sampled from (left padding included)."""
 
+import math
+
+import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from rlhf.rollout import generate, left_pad, logprobs_and_logits, response_mask_from_ids, sampling_config
+from rlhf.rollout import (SamplingParams, build_batch, generate, left_pad, logprobs_and_logits, next_token,
+                          response_mask_from_ids)
 
 EOS, PAD = 1, 0
 
@@ -27,8 +32,7 @@ def test_sampling_is_not_top_k_truncated():
     model = tiny_model()
     prompts = torch.full((2048, 3), 7)
     torch.manual_seed(0)
-    batch = generate(model, FakeTokenizer, prompts, torch.ones_like(prompts),
-                     sampling_config(FakeTokenizer, max_new_tokens=1, temperature=1.0))
+    batch = generate(model, FakeTokenizer, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=1))
     assert batch["response_ids"][:, 0].unique().numel() > 200
 
 
@@ -42,19 +46,117 @@ def test_ignore_eos_samples_every_token():
     prompts = torch.full((8, 2), 2)
     torch.manual_seed(0)
     batch = generate(model, FakeTokenizer, prompts, torch.ones_like(prompts),
-                     sampling_config(FakeTokenizer, max_new_tokens=12, ignore_eos=True))
+                     SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert batch["response_ids"].shape == (8, 12)
     assert batch["response_mask"].all()
     assert (batch["response_ids"] == EOS).any()  # EOS was sampled, and generation went on
 
 
+def hf_config(**kwargs) -> GenerationConfig:
+    """transformers' generate, told everything (top_k=0, not None: None means its default of 50)."""
+    return GenerationConfig(pad_token_id=PAD, repetition_penalty=1.0, top_k=0, top_p=1.0, **kwargs)
+
+
+def test_greedy_decoding_equals_transformers_generate():
+    """Same passes as model.generate: left padding, KV cache, position ids and stopping at EOS included.
+    An untied, large-init model, so greedy output varies along the sequence instead of repeating."""
+    torch.manual_seed(2)
+    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         pad_token_id=PAD, tie_word_embeddings=False, initializer_range=0.5)
+    model = Qwen2ForCausalLM(config).eval()
+    prompt_ids, prompt_mask = left_pad([[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]], PAD)
+    lengths = {}
+    for eos in (13, 1, 10):
+        tokenizer = type("Tok", (), {"pad_token_id": PAD, "eos_token_id": eos})
+        ours = generate(model, tokenizer, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=20, greedy=True))
+        theirs = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                generation_config=hf_config(do_sample=False, max_new_tokens=20, eos_token_id=eos))
+        theirs = theirs[:, prompt_ids.shape[1]:]
+        mask = response_mask_from_ids(theirs, eos)
+        expected = torch.nn.functional.pad(torch.where(mask.bool(), theirs, PAD), (0, 20 - theirs.shape[1]), value=PAD)
+        assert torch.equal(ours["response_ids"], expected)
+        assert torch.equal(ours["response_mask"].sum(dim=1), mask.sum(dim=1))
+        lengths[eos] = mask.sum(dim=1).tolist()
+    # The cases cover: every row stopping (so the loop ends early), and some rows stopping while others run on.
+    assert max(lengths[13]) < 20 and min(lengths[1]) < 20 == max(lengths[1])
+    assert len(set(lengths[10])) == 4, lengths
+
+
+def within_sigmas(counts: torch.Tensor, probs: torch.Tensor, sigmas: float = 5.0) -> bool:
+    """Every empirical frequency is within `sigmas` binomial standard deviations of its probability."""
+    n = counts.sum()
+    sd = (probs * (1 - probs) / n).sqrt().clamp(min=1 / n)
+    return bool(((counts / n - probs).abs() <= sigmas * sd).all())
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.0, 3, 1.0), (1.5, 0, 0.7)])
+def test_next_token_samples_exactly_from_the_filtered_softmax(temperature, top_k, top_p):
+    """200,000 draws from fixed logits over 6 tokens: frequencies within 5 binomial standard deviations of
+    softmax(logits / T) after top-k/top-p (their definitions, written out here), and tokens filtered out
+    never drawn. Seeded, so it cannot flake."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+    torch.manual_seed(0)
+    draws = next_token(logits.expand(200_000, -1), params)
+    counts = torch.bincount(draws, minlength=6).double()
+
+    warped = logits / temperature
+    if top_k:  # keep the k largest
+        warped = warped.masked_fill(warped < warped.topk(top_k).values[-1], -math.inf)
+    if top_p < 1.0:  # keep the smallest set of largest tokens whose probability reaches top_p
+        probs = torch.softmax(warped, dim=-1)
+        order = probs.argsort(descending=True)
+        mass_before = probs[order].cumsum(0) - probs[order]
+        warped = warped.clone()
+        warped[order[mass_before >= top_p]] = -math.inf
+    probs = torch.softmax(warped.double(), dim=-1)
+    assert within_sigmas(counts, probs)
+    assert (counts[probs == 0] == 0).all()
+    if top_k or top_p < 1.0:
+        assert (probs == 0).any()  # the filter did remove tokens in this case
+
+
+def test_next_token_detects_a_wrong_distribution():
+    """The frequency check above has power: draws at temperature 1 fail it against temperature 0.9."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    torch.manual_seed(0)
+    draws = next_token(logits.expand(200_000, -1), SamplingParams(max_new_tokens=1))
+    counts = torch.bincount(draws, minlength=6).double()
+    assert within_sigmas(counts, torch.softmax(logits.double(), -1))
+    assert not within_sigmas(counts, torch.softmax(logits.double() / 0.9, -1))
+
+
+def test_sampled_sequences_follow_the_model_at_every_step():
+    """Multi-token sampling through the KV cache with left padding: over 20,000 sequences of 2 tokens, the
+    second token's frequencies given the first match the model's conditional probabilities."""
+    model = tiny_model(vocab_size=4, seed=5)
+    prompts = [[2, 3, 2], [3]] * 10_000
+    prompt_ids, prompt_mask = left_pad(prompts, PAD)
+    torch.manual_seed(1)
+    batch = generate(model, FakeTokenizer, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                           position_ids=batch["position_ids"]).logits.double(), -1)
+    width = prompt_ids.shape[1]
+    for row in (0, 1):  # the long and the short (left-padded) prompt
+        rows = torch.arange(row, len(prompts), 2)
+        first = batch["response_ids"][rows, 0]
+        token = torch.mode(first).values  # condition on the most frequent first token
+        chosen = rows[first == token]
+        counts = torch.bincount(batch["response_ids"][chosen, 1], minlength=4).double()
+        probs = logprobs[chosen[0], width].exp()  # p(second token | prompt, first token)
+        assert within_sigmas(counts, probs)
+
+
 def test_trainer_logprobs_match_the_sampling_distribution_with_left_padding():
     """Log-probs recomputed by a full forward (as for old/ref log-probs) equal those of the distribution
-    generate() sampled from, for prompts of different lengths (position ids over real tokens only)."""
+    transformers' incremental decoding samples from, for prompts of different lengths (position ids over
+    real tokens only)."""
     model = tiny_model(vocab_size=64)
     prompt_ids, prompt_mask = left_pad([[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]], PAD)
     temperature = 0.7
-    config = sampling_config(FakeTokenizer, max_new_tokens=6, temperature=temperature, ignore_eos=True)
+    config = hf_config(do_sample=True, temperature=temperature, max_new_tokens=6, eos_token_id=[])
     torch.manual_seed(0)
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
                          output_scores=True, return_dict_in_generate=True)
@@ -62,7 +164,6 @@ def test_trainer_logprobs_match_the_sampling_distribution_with_left_padding():
     scores = torch.stack(out.scores, dim=1)  # (B, R, V): logits after the temperature warper
     expected = torch.log_softmax(scores.float(), dim=-1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
 
-    from rlhf.rollout import build_batch
     batch = build_batch(prompt_ids, prompt_mask, response, torch.ones_like(response))
     with torch.no_grad():
         logprobs, logits = logprobs_and_logits(model, batch, temperature)
