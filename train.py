@@ -381,9 +381,10 @@ def main(cfg: Config) -> dict[str, float]:
         print(f"resolved config:\n{resolved}")
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             f.write(resolved)
-    set_seed(cfg.trainer.seed, device_specific=True)  # seed + process index: ranks sample different tokens
-
     tokenizer, train_set, val_set, actor, critic, ref = prepare_data_and_models(cfg, accelerator)
+    # Seeded after the models load: building the embedded cache (or not, when it exists) draws random
+    # numbers, and the run must not depend on whether it did. Seed + process index: ranks sample differently.
+    set_seed(cfg.trainer.seed, device_specific=True)
     accelerator.print(f"train prompts: {len(train_set)}, held-out: {len(val_set)}, "
                       f"actor parameters: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M, "
                       f"processes: {accelerator.num_processes}, device: {accelerator.device}")

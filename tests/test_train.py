@@ -8,6 +8,7 @@ import json
 import math
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -99,6 +100,24 @@ def test_end_to_end_placements(tiny_artifacts, tmp_path, placement, monkeypatch)
             break
         time.sleep(0.5)
     assert not missing
+
+
+def test_a_run_does_not_depend_on_whether_the_embedded_cache_existed(tmp_path, monkeypatch):
+    """The same config twice: first building the embedded cache (which draws random numbers), then reading
+    it. Every logged number of the two runs agrees (timings aside)."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    tiny_embedded = ["embedded.num_train=64", "embedded.num_val=16", "embedded.hidden_size=32",
+                     "embedded.intermediate_size=64", "embedded.num_layers=1", "embedded.num_heads=2",
+                     "embedded.num_kv_heads=1", "embedded.sft_steps=5", "embedded.sft_batch_size=8"]
+    rows = []
+    for name in ("cold", "warm"):
+        embedded = SimpleNamespace(model_dir="embedded", train_file="embedded", val_file="embedded")
+        train.main(load_config(None, tiny_overrides(embedded, str(tmp_path / name), *tiny_embedded,
+                                                    f"trainer.cache_dir={tmp_path / 'cache'}", "trainer.logger=none")))
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            rows.append([{k: v for k, v in json.loads(line).items() if not k.startswith(("timing_s", "perf"))}
+                         for line in f])
+    assert len(rows[0]) == 3 and rows[0] == rows[1]
 
 
 def test_reference_is_frozen_during_training(tiny_artifacts, tmp_path, monkeypatch):
