@@ -525,7 +525,7 @@ PHASES = (("generate", ("gen",)), ("old_logprob", ("old_log_prob",)), ("referenc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=7, help="timed rounds (each times every side once); "
+    parser.add_argument("--iters", type=int, default=21, help="timed rounds (each times every side once); "
                         "0 = no timing report (with --profile: profile only)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
