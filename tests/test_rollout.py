@@ -28,7 +28,7 @@ def tiny_model(vocab_size=512, seed=0):
 
 def test_sampling_is_not_top_k_truncated():
     """A near-uniform random model over 512 tokens: 2048 draws of one token hit far more than 50 distinct
-    tokens. transformers' default top_k=50 (what `top_k=None` silently gives) caps it at 50."""
+    tokens. A hidden top-k (transformers' generate turns `top_k=None` into 50) would cap it at 50."""
     model = tiny_model()
     prompts = torch.full((2048, 3), 7)
     torch.manual_seed(0)
