@@ -313,10 +313,11 @@ class OursSide:
     def check(self) -> None:
         """One step that must sample exactly RESPONSE_LENGTH tokens, take 2 optimizer steps per model and
         log the whole KL panel."""
-        decode_steps, optimizer_steps = [], []
         import train
 
-        with count_decode_steps(train, "generate", self.accelerator.unwrap_model(self.models[0]), decode_steps), \
+        decode_steps, optimizer_steps = [], []
+        actor = self.accelerator.unwrap_model(self.models[0])
+        with count_decode_steps(train, "generate", actor, decode_steps), \
                 count_optimizer_steps([opt.optimizer for opt in self.optimizers], optimizer_steps):
             self.step()
         assert decode_steps == [RESPONSE_LENGTH], f"ours ran {decode_steps} decoding steps, not [{RESPONSE_LENGTH}]"
@@ -354,7 +355,8 @@ class FloorSide:
         self.actor, self.critic = load_causal_lm(model_dir).eval(), load_critic(model_dir).eval()
         self.ref = load_causal_lm(model_dir).eval().requires_grad_(False)
         # transformers 5.24 renamed the KV cache argument and output `past_key_values` -> `cache`.
-        self.cache_name = "cache" if "cache" in inspect.signature(self.actor.forward).parameters else "past_key_values"
+        forward_args = inspect.signature(self.actor.forward).parameters
+        self.cache_name = "cache" if "cache" in forward_args else "past_key_values"
         # The fastest AdamW on this device, as the trainer and TRL's side use.
         self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=LR, weight_decay=0.0, fused=True)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=LR, weight_decay=0.0, fused=True)
