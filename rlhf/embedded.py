@@ -230,10 +230,15 @@ def _sft_examples(problems: list[dict], tokenizer) -> list[tuple[list[int], list
     return [(p, r + [tokenizer.eos_token_id]) for p, r in zip(prompt_ids, response_ids)]
 
 
+def first_step_result(answer: str) -> str:
+    """The result of a generated solution's first line: "3+4=<<3+4=7>>7\n..." -> "7"."""
+    return answer.split("\n", 1)[0].rsplit(">>", 1)[1]
+
+
 def _answer_with_first_result(answer: str) -> str:
     """The same reasoning lines, but the final `#### N` line reports the first line's result."""
     *lines, _ = answer.split("\n")
-    return "\n".join(lines + [f"#### {lines[0].rsplit('>>', 1)[1]}"])
+    return "\n".join(lines + [f"#### {first_step_result(answer)}"])
 
 
 def warm_start_demos(problems: list[dict], cfg: EmbeddedConfig) -> list[dict]:

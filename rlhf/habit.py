@@ -1,0 +1,99 @@
+"""What PPO does to the embedded default's planted habit: greedy held-out answers, classified.
+
+    python -m rlhf.habit outputs/tiny        # a run's trainer.output_dir
+
+The warm-start demos of the embedded default end, for most multi-step problems, with the first step's
+result instead of the last (`embedded.sft_early_answer_frac`, see `rlhf.embedded`). For the warm start and
+for every checkpoint of the run, this decodes the held-out split greedily and counts the answers that are
+correct, that report the first step's result (the habit), and that are otherwise wrong. The README's table
+comes from this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import Counter
+
+import torch
+
+CATEGORIES = ("correct", "first_step", "other")
+
+
+def classify(response: str, answer: str, method: str = "strict") -> str:
+    """"correct", "first_step" (the final answer is the first step's result, and that is wrong) or "other"."""
+    from rlhf.embedded import first_step_result
+    from rlhf.rewards.gsm8k import compute_score, extract_ground_truth
+
+    if compute_score(response, extract_ground_truth(answer), method=method) == 1.0:
+        return "correct"
+    if compute_score(response, first_step_result(answer), method=method) == 1.0:
+        return "first_step"
+    return "other"
+
+
+@torch.no_grad()
+def greedy_counts(model, tokenizer, problems, max_prompt_length: int, max_response_length: int,
+                  method: str = "strict", batch_size: int = 128) -> Counter:
+    """Counts of `CATEGORIES` over the greedy answers of `model` to `problems` (a GSM8K-schema Dataset)."""
+    from rlhf.data import build_prompt
+    from rlhf.rollout import SamplingParams, generate, left_pad
+
+    params = SamplingParams(max_response_length, greedy=True)
+    counts = Counter({c: 0 for c in CATEGORIES})
+    for start in range(0, len(problems), batch_size):
+        rows = problems[start:start + batch_size]
+        prompts = [build_prompt(tokenizer, q) for q in rows["question"]]
+        ids = tokenizer(prompts, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
+        if max(map(len, ids)) > max_prompt_length:
+            raise ValueError(f"a held-out prompt is longer than data.max_prompt_length={max_prompt_length}")
+        batch = generate(model, tokenizer, *left_pad(ids, tokenizer.pad_token_id), params)
+        texts = tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True)
+        counts.update(classify(t, a, method) for t, a in zip(texts, rows["answer"]))
+    return counts
+
+
+def report(output_dir: str) -> list[tuple[str, Counter]]:
+    """[(label, counts)] for the warm start and each checkpoint under `output_dir`, oldest first."""
+    from safetensors.torch import load_file
+
+    from rlhf.checkpoint import checkpoint_step, list_checkpoints
+    from rlhf.config import load_config
+    from rlhf.data import load_gsm8k
+    from rlhf.embedded import prepare_embedded_default
+    from rlhf.models import load_causal_lm, load_tokenizer
+
+    cfg = load_config(os.path.join(output_dir, "config.yaml"))
+    if cfg.model.path != "embedded" or cfg.data.val_files != "embedded":
+        raise ValueError(f"{output_dir} is not a run of the embedded default (model.path={cfg.model.path!r}, "
+                         f"data.val_files={cfg.data.val_files!r}); the habit exists only there")
+    cache_dir = cfg.trainer.cache_dir or os.path.join(output_dir, "embedded")
+    artifacts = prepare_embedded_default(cache_dir, cfg.embedded, log=lambda *_: None)
+    tokenizer = load_tokenizer(artifacts.model_dir)
+    model = load_causal_lm(artifacts.model_dir).eval()
+    problems = load_gsm8k(artifacts.val_file, cfg.data.val_split)
+    args = (tokenizer, problems, cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.data.reward_method)
+
+    rows = [("warm start (step 0)", greedy_counts(model, *args))]
+    for path in list_checkpoints(output_dir):
+        # accelerate saves the first prepared model, the actor, as model.safetensors; tied weights once.
+        missing, unexpected = model.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise ValueError(f"{path}/model.safetensors does not match the policy: missing {missing}, "
+                             f"unexpected {unexpected}")
+        rows.append((f"step {checkpoint_step(path)}", greedy_counts(model, *args)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("output_dir", help="trainer.output_dir of a run of the embedded default")
+    output_dir = parser.parse_args(argv).output_dir
+    print("| greedy held-out answers | correct | reports the first step's result (habit) | other wrong answer |")
+    print("|---|---|---|---|")
+    for label, counts in report(output_dir):
+        print(f"| {label} | " + " | ".join(str(counts[c]) for c in CATEGORIES) + " |")
+
+
+if __name__ == "__main__":
+    main()
