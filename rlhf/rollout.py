@@ -71,7 +71,6 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> tor
     return (eos_before == 0).long()
 
 
-@torch.no_grad()
 def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
              params: SamplingParams) -> dict[str, torch.Tensor]:
     """Sample (or greedily decode) one response per left-padded prompt and build the rollout batch.
@@ -80,8 +79,24 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     identical, see tests/test_rollout.py) without its per-token machinery, which costs ~10% of the
     sampling time of a small model. Stops when every sequence has sampled EOS or after max_new_tokens.
     """
-    batch_size, prompt_width = prompt_ids.shape
     eos = None if params.ignore_eos else tokenizer.eos_token_id
+    # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here).
+    # Its tensors cannot enter autograd, so the tokens are cloned into a normal tensor on the way out.
+    with torch.inference_mode():
+        response_ids = _decode(model, prompt_ids, prompt_mask, params, eos, tokenizer.pad_token_id)
+    response_ids = response_ids.clone()
+    if eos is None:  # ignore_eos: every sampled token is part of the response
+        response_mask = torch.ones_like(response_ids)
+    else:
+        response_mask = response_mask_from_ids(response_ids, eos)
+    response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
+    return build_batch(prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | None, pad_token_id: int):
+    """(B, max_new_tokens) sampled tokens; pad after a sequence's EOS, and for every sequence once all have
+    stopped."""
+    batch_size, prompt_width = prompt_ids.shape
     # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, params.max_new_tokens)], dim=1)
     position_ids = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # as in build_batch
@@ -97,7 +112,7 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     for t in range(params.max_new_tokens):
         token = next_token(out.logits[:, -1], params)
         if eos is not None:
-            token = token.masked_fill(finished, tokenizer.pad_token_id)  # nothing after a sequence's EOS
+            token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's EOS
             finished |= token == eos
         tokens.append(token)
         if t + 1 == params.max_new_tokens or (eos is not None and finished.all()):
@@ -105,17 +120,9 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
         out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :prompt_width + t + 1],
                     position_ids=position_ids[:, -1:] + t + 1, use_cache=True,
                     **{cache_name: getattr(out, cache_name)})
-
     response_ids = torch.stack(tokens, dim=1)
-    pad = params.max_new_tokens - response_ids.shape[1]
-    if pad > 0:  # every sequence stopped early: pad to a fixed width
-        response_ids = torch.nn.functional.pad(response_ids, (0, pad), value=tokenizer.pad_token_id)
-    if eos is None:  # ignore_eos: every sampled token is part of the response
-        response_mask = torch.ones_like(response_ids)
-    else:
-        response_mask = response_mask_from_ids(response_ids, eos)
-    response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
-    return build_batch(prompt_ids, prompt_mask, response_ids, response_mask)
+    return torch.nn.functional.pad(response_ids, (0, params.max_new_tokens - response_ids.shape[1]),
+                                   value=pad_token_id)
 
 
 def build_batch(prompt_ids, prompt_mask, response_ids, response_mask) -> dict[str, torch.Tensor]:
