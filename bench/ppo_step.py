@@ -4,6 +4,7 @@ against the floor (the same model passes done bare).
     pip install -r requirements-bench.txt       # TRL 0.29.1, the last release with its PPOTrainer
     python bench/ppo_step.py                    # a few minutes on 2 cores; the last line is key=value
     python bench/ppo_step.py --iters 9 --profile ours   # plus a torch.profiler table of our step
+    python bench/ppo_step.py --gpu              # Qwen2.5-0.5B-shaped models, bf16 autocast, CUDA
 
 Workload, identical for every side (built here, in a temporary directory, with no network):
 - a byte-level BPE tokenizer of 400 tokens trained with `tokenizers` on generated GSM8K-style problems;
@@ -12,6 +13,8 @@ Workload, identical for every side (built here, in a temporary directory, with n
 - 32 prompts (the chat-templated question alone, so they fit) left-padded to 48 tokens;
 - 64 sampled tokens per response at temperature 1, never stopping at EOS; 1 PPO epoch over 2
   mini-batches of 16; k3 KL in the reward; float32; torch threads set to 2.
+  With --gpu: the models have Qwen2.5-0.5B's shape instead (QWEN_0_5B_SIZE), every side runs under bf16
+  autocast on CUDA, and memory is the GPU's (torch.cuda.max_memory_allocated).
 TRL cannot score by rule, so it also gets a reward model of the same size and runs one more forward per
 step; our side scores GSM8K by rule and skips that pass. The output says so.
 The policy is left at its random init: it rarely samples EOS, so no side could stop generating early
@@ -75,6 +78,18 @@ KL_COEF = 0.05
 SEED = 1234
 MODEL_SIZE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512)
+# --gpu: randomly initialised models of Qwen2.5-0.5B's shape (the tokenizer stays the 400-token one; the
+# other embedding rows are simply never prompted, though they can be sampled), bf16 autocast, on CUDA.
+QWEN_0_5B_SIZE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                      num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512,
+                      vocab_size=151_936)
+SETUP = argparse.Namespace(model_size=MODEL_SIZE, bf16=False)  # set once by main() from the flags
+
+
+def sync() -> None:
+    """Wait for queued GPU work, so that wall-clock times mean something (no-op on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -93,8 +108,9 @@ def build_workload(workdir: str) -> None:
     texts = ["user", "assistant"] + [f"{p['question']} {INSTRUCTION}\n{p['answer']}" for p in problems]
     tokenizer = train_tokenizer(texts, VOCAB_SIZE)
     torch.manual_seed(SEED)
-    config = Qwen2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **MODEL_SIZE)
+    size = {"vocab_size": len(tokenizer), **SETUP.model_size}
+    config = Qwen2Config(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None, **size)
     model_dir = os.path.join(workdir, "model")
     Qwen2ForCausalLM(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
@@ -142,6 +158,25 @@ def count_decode_steps(owner, name: str, model, counts: list[int]):
         yield
     finally:
         setattr(owner, name, original)
+
+
+class GenerationClock:
+    """Wraps the generation function `owner.<name>` (TRL: `policy.generate`; ours: `train.generate`) so
+    that `seconds` accumulates its wall time, synchronised with the GPU: generated tokens per second."""
+
+    def __init__(self, owner, name: str):
+        self.seconds = 0.0
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                sync()
+                self.seconds += time.perf_counter() - start
+
+        setattr(owner, name, timed)
 
 
 @contextlib.contextmanager
@@ -193,7 +228,7 @@ class TRLSide:
             missing_eos_penalty=None,
             kl_estimator="k3", kl_coef=KL_COEF, learning_rate=LR, cliprange=0.2, cliprange_value=0.2,
             gamma=1.0, lam=0.95, whiten_rewards=False,
-            bf16=False, fp16=False, gradient_checkpointing=False,  # PPOConfig defaults both bf16 and GC on
+            bf16=SETUP.bf16, fp16=False, gradient_checkpointing=False,  # PPOConfig defaults bf16 and GC on
             # The lr schedule is built for this many steps; each train() call below runs one of them.
             total_episodes=NUM_PROMPTS * 100_000, num_sample_generations=0,
             save_strategy="no", eval_strategy="no", logging_steps=1, disable_tqdm=True,
@@ -218,6 +253,7 @@ class TRLSide:
                 bounds["end"] = time.perf_counter()
 
         self.trainer.add_callback(StepClock())
+        self.gen_clock = GenerationClock(self.policy, "generate")
 
     def describe(self) -> str:
         opt = self.trainer.optimizer.optimizer
@@ -225,9 +261,10 @@ class TRLSide:
                 f"over policy+value")
 
     def step(self) -> dict[str, float]:
+        self.gen_clock.seconds = 0.0
         with contextlib.redirect_stdout(io.StringIO()):  # its "===training policy===" banner, every call
             self.trainer.train()
-        return {"step": self.bounds["end"] - self.bounds["begin"]}
+        return {"step": self.bounds["end"] - self.bounds["begin"], "gen_synced": self.gen_clock.seconds}
 
     def check(self) -> None:
         """One step that must sample exactly RESPONSE_LENGTH tokens and take 2 optimizer steps."""
@@ -257,6 +294,7 @@ def our_config(workdir: str, log_kl_panel: bool):
         f"actor.lr={LR}", f"critic.lr={LR}", "actor.clip_ratio=0.2", "critic.cliprange_value=0.2",
         f"trainer.log_kl_panel={str(log_kl_panel).lower()}", "trainer.logger=none", f"trainer.seed={SEED}",
         f"trainer.output_dir={os.path.join(workdir, 'ours')}", "rollout.ignore_eos=true",
+        f"trainer.mixed_precision={'bf16' if SETUP.bf16 else 'no'}",
     ]
     return load_config(None, overrides)
 
@@ -279,7 +317,7 @@ class OursSide:
         cfg = self.cfg_panel
         model_dir, self.tokenizer, prompts = load_workload(workdir)
         torch.manual_seed(SEED)
-        self.accelerator = Accelerator(mixed_precision="no")
+        self.accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision)
         actor, critic = load_causal_lm(model_dir), load_critic(model_dir)
         ref = load_causal_lm(model_dir).eval().requires_grad_(False)
         actor.eval(), critic.eval()
@@ -291,6 +329,9 @@ class OursSide:
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
         self.num_steps = 0
+        import train
+
+        self.gen_clock = GenerationClock(train, "generate")
 
     def describe(self) -> str:
         opt = self.optimizers[0].optimizer
@@ -302,13 +343,15 @@ class OursSide:
 
         timer = Timer()
         self.num_steps += 1
+        self.gen_clock.seconds = 0.0
         start = time.perf_counter()
         metrics, _, _ = train_step(self.cfg_panel if log_kl_panel else self.cfg_minimal, self.accelerator,
                                    self.models, self.optimizers, self.tokenizer, self.train_set, self.sampler,
                                    self.kl_ctrl, self.num_steps, timer)
+        sync()
         seconds = time.perf_counter() - start
         self.last_metrics = metrics
-        return {"step": seconds, **timer.seconds}
+        return {"step": seconds, **timer.seconds, "gen_synced": self.gen_clock.seconds}
 
     def check(self) -> None:
         """One step that must sample exactly RESPONSE_LENGTH tokens, take 2 optimizer steps per model and
@@ -352,15 +395,18 @@ class FloorSide:
 
         model_dir, tokenizer, prompts = load_workload(workdir)
         torch.manual_seed(SEED)
-        self.actor, self.critic = load_causal_lm(model_dir).eval(), load_critic(model_dir).eval()
-        self.ref = load_causal_lm(model_dir).eval().requires_grad_(False)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # where accelerate puts the other sides
+        self.actor = load_causal_lm(model_dir).eval().to(self.device)
+        self.critic = load_critic(model_dir).eval().to(self.device)
+        self.ref = load_causal_lm(model_dir).eval().requires_grad_(False).to(self.device)
         # transformers 5.24 renamed the KV cache argument and output `past_key_values` -> `cache`.
         forward_args = inspect.signature(self.actor.forward).parameters
         self.cache_name = "cache" if "cache" in forward_args else "past_key_values"
         # The fastest AdamW on this device, as the trainer and TRL's side use.
         self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=LR, weight_decay=0.0, fused=True)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=LR, weight_decay=0.0, fused=True)
-        self.prompt_ids, self.prompt_mask = left_pad(prompts["input_ids"], tokenizer.pad_token_id)
+        self.prompt_ids, self.prompt_mask = (t.to(self.device) for t in left_pad(prompts["input_ids"],
+                                                                                tokenizer.pad_token_id))
 
     def _sample(self):
         """(B, P+R): RESPONSE_LENGTH tokens sampled through the KV cache, one forward per token."""
@@ -386,9 +432,16 @@ class FloorSide:
         seconds = {}
 
         def lap(name):  # phase times, for comparison with our trainer's
+            sync()
             clock.append(time.perf_counter())
             seconds[name] = clock[-1] - clock[-2]
 
+        # bf16 autocast over float32 weights when SETUP.bf16, as accelerate's mixed precision does.
+        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=SETUP.bf16):
+            self._passes(lap)
+        return {"step": clock[-1] - clock[0], **seconds}
+
+    def _passes(self, lap) -> None:
         with torch.no_grad():
             sequences = self._sample()  # (B, P+R)
             lap("gen")
@@ -402,7 +455,7 @@ class FloorSide:
             lap("ref")
             self.critic(**inputs, use_cache=False)
             lap("values")
-        for index in torch.arange(len(sequences)).split(MINI_BATCH):
+        for index in torch.arange(len(sequences), device=self.device).split(MINI_BATCH):
             mini = {k: v[index] for k, v in inputs.items()}
             (-self._logprobs(self.actor, mini, response_ids[index]).mean()).backward()
             values = self.critic(**mini, use_cache=False).logits[:, -RESPONSE_LENGTH - 1:-1, 0]  # (b, R)
@@ -411,7 +464,6 @@ class FloorSide:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         lap("update")
-        return {"step": clock[-1] - clock[0], **seconds}
 
 
 # ----------------------------------------------------------------------------- memory (one side per process)
@@ -425,6 +477,14 @@ def _rss_kb(field: str) -> int:
 def measure_memory_child(side_name: str, workdir: str, num_steps: int = 2) -> dict[str, float]:
     side = TRLSide(workdir) if side_name == "trl" else OursSide(workdir)
     side.step()  # warm-up: lazy imports, one-time caches and the optimizer state are not a step's memory
+    if torch.cuda.is_available():  # on a GPU, what counts is the GPU memory the tensors of a step take
+        sync()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(num_steps):
+            side.step()
+        peak = torch.cuda.max_memory_allocated()
+        return {"step_peak_mb": (peak - before) / 2**20, "peak_rss_mb": peak / 2**20, "rss_before_mb": before / 2**20}
     before = _rss_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
@@ -436,7 +496,7 @@ def measure_memory_child(side_name: str, workdir: str, num_steps: int = 2) -> di
 
 def measure_memory(side_name: str, workdir: str, threads: int) -> dict[str, float]:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", side_name, "--workdir", workdir,
-           "--threads", str(threads)]
+           "--threads", str(threads), *(["--gpu"] if SETUP.model_size is QWEN_0_5B_SIZE else [])]
     # With a fixed mmap threshold glibc maps every block above 64 KiB on its own and unmaps it on free,
     # so the resident size follows the live tensors instead of what the allocator keeps around.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -532,12 +592,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--skip-memory", action="store_true", help="skip the two memory subprocesses")
+    parser.add_argument("--gpu", action="store_true", help="models of Qwen2.5-0.5B's shape (random init), bf16 "
+                        "autocast, on CUDA (needs a GPU; prepared, not yet run on one)")
     parser.add_argument("--profile", nargs="*", choices=("ours", "trl", "floor", "minimal"), default=[],
                         help="after timing, print a torch.profiler table for these sides")
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", choices=("ours", "trl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.gpu and not torch.cuda.is_available():
+        sys.exit("--gpu needs a CUDA device; torch sees none")
+    SETUP.model_size = QWEN_0_5B_SIZE if args.gpu else MODEL_SIZE
+    SETUP.bf16 = args.gpu
     try:
         import trl
     except ImportError:
@@ -568,10 +634,15 @@ def main() -> None:
         if os.getloadavg()[0] > (os.cpu_count() or 1):
             print("warning: the machine is busy (load above the CPU count): timings are inflated and noisy; "
                   "compare the sides within this run, not runs with each other.")
-        print(f"workload: Qwen2 {num_params / 1e6:.2f}M parameters (vocab {len(tokenizer)}), "
-              f"{NUM_PROMPTS} prompts x {PROMPT_WIDTH} tokens (left-padded, shortest "
+        vocab_size = ours.models[0].config.vocab_size
+        device = ours.accelerator.device
+        if device.type == "cuda":
+            print(f"device: {torch.cuda.get_device_name()}")
+        print(f"workload: Qwen2 {num_params / 1e6:.2f}M parameters (vocab {vocab_size}, tokenizer "
+              f"{len(tokenizer)}), {NUM_PROMPTS} prompts x {PROMPT_WIDTH} tokens (left-padded, shortest "
               f"{min(map(len, prompts['input_ids']))}), {RESPONSE_LENGTH} sampled tokens, 1 epoch x "
-              f"{NUM_PROMPTS // MINI_BATCH} mini-batches of {MINI_BATCH}, k3 KL in the reward, float32")
+              f"{NUM_PROMPTS // MINI_BATCH} mini-batches of {MINI_BATCH}, k3 KL in the reward, "
+              f"{'bf16 autocast over float32 weights' if SETUP.bf16 else 'float32'}, on {device}")
         print(f"optimizers: TRL {trl_side.describe()}; ours {ours.describe()}")
         print("TRL also runs a reward-model forward every step (it cannot score by rule); ours skips that pass: "
               "GSM8K is scored by rule.")
@@ -599,8 +670,9 @@ def main() -> None:
             return
         from rlhf import kl
 
-        logits, ref_logits = torch.randn(2, NUM_PROMPTS, RESPONSE_LENGTH, len(tokenizer))
-        full_kl_ms = 1e3 * statistics.median(timed(lambda: kl.full_kl(logits, ref_logits, 1.0)) for _ in range(11))
+        logits, ref_logits = torch.randn(2, NUM_PROMPTS, RESPONSE_LENGTH, vocab_size, device=device)
+        full_kl_ms = 1e3 * statistics.median(timed(lambda: (kl.full_kl(logits, ref_logits, 1.0), sync()))
+                                             for _ in range(11))
         memory = {} if args.skip_memory else {k: measure_memory(k, workdir, args.threads) for k in ("ours", "trl")}
 
     med = {k: statistics.median(t["step"] for t in v) for k, v in times.items()}
@@ -618,13 +690,13 @@ def main() -> None:
     print(f"overhead ours/floor   {overhead:.3f}   (target <= 1.15; per-round {paired('ours', 'floor'):.3f})")
     print(f"KL panel cost         {panel_cost:+.1%}  (target <= 3%; median of per-round ours/estimator-only - 1; "
           f"ratio of medians {med['ours'] / med['minimal'] - 1:+.1%})")
-    print(f"                      cross-check: kl.full_kl on ({NUM_PROMPTS}, {RESPONSE_LENGTH}, {len(tokenizer)}) "
+    print(f"                      cross-check: kl.full_kl on ({NUM_PROMPTS}, {RESPONSE_LENGTH}, {vocab_size}) "
           f"logits takes {full_kl_ms:.1f} ms = {full_kl_ms / 1e3 / med['ours']:.1%} of our step "
           "(the panel's main extra work)")
 
     print("\nour step by phase, median s (share of our step); the same for the panel off and for the floor:")
     print(f"  {'phase':<12} {'ours':>7}           {'no panel':>8} {'floor':>7}")
-    accounted = {"step"}
+    accounted = {"step", "gen_synced"}
     for label, keys in PHASES:
         accounted.update(keys)
         full, lean, bare = (statistics.median(sum(t.get(k, 0.0) for k in keys) for t in times[side])
@@ -633,19 +705,37 @@ def main() -> None:
     for key in sorted({k for t in times["ours"] for k in t} - accounted):  # phases not named in PHASES
         value = statistics.median(t[key] for t in times["ours"])
         print(f"  {key:<12} {value:7.3f}  ({value / med['ours']:5.1%})")
-    full, lean, bare = (statistics.median(t["step"] - sum(v for k, v in t.items() if k != "step") for t in times[side])
+    full, lean, bare = (statistics.median(t["step"] - sum(v for k, v in t.items() if k not in ("step", "gen_synced"))
+                                          for t in times[side])
                         for side in ("ours", "minimal", "floor"))
     print(f"  {'other':<12} {full:7.3f}  ({full / med['ours']:5.1%})   {lean:8.3f} {bare:7.3f}   "
           "(outside the timed phases: batch building, scoring, GAE, metrics)")
 
+    # Throughput: sampled tokens over the (GPU-synchronised) generation call; prompt + response tokens of
+    # the batch over the rest of the step (the scoring forwards and the PPO update).
+    gen_s = {k: statistics.median(t["gen_synced"] for t in times[k]) for k in ("ours", "trl")}
+    rest_s = {k: statistics.median(t["step"] - t["gen_synced"] for t in times[k]) for k in ("ours", "trl")}
+    width = PROMPT_WIDTH + RESPONSE_LENGTH
+    print("\nthroughput, ours vs TRL (medians):")
+    print(f"  generated tokens/s   {NUM_PROMPTS * RESPONSE_LENGTH / gen_s['ours']:9.0f} vs "
+          f"{NUM_PROMPTS * RESPONSE_LENGTH / gen_s['trl']:9.0f}   ({NUM_PROMPTS} x {RESPONSE_LENGTH} sampled tokens "
+          f"/ generation: {gen_s['ours']:.3f} vs {gen_s['trl']:.3f} s)")
+    print(f"  training tokens/s    {NUM_PROMPTS * width / rest_s['ours']:9.0f} vs "
+          f"{NUM_PROMPTS * width / rest_s['trl']:9.0f}   ({NUM_PROMPTS} x {width} tokens / the rest of the step: "
+          f"{rest_s['ours']:.3f} vs {rest_s['trl']:.3f} s; TRL's includes its reward model and gc)")
+
     ours_mb = memory.get("ours", {}).get("step_peak_mb", float("nan"))
     trl_mb = memory.get("trl", {}).get("step_peak_mb", float("nan"))
     if memory:
-        print("\npeak memory of a step (peak RSS over 2 steps after a warm-up one, minus RSS before them; "
-              "one fresh process per side):")
+        if torch.cuda.is_available():
+            print("\npeak GPU memory of a step (torch.cuda.max_memory_allocated over 2 steps after a warm-up one, "
+                  "minus what was allocated before them; one fresh process per side):")
+        else:
+            print("\npeak memory of a step (peak RSS over 2 steps after a warm-up one, minus RSS before them; "
+                  "one fresh process per side):")
         for key in ("ours", "trl"):
             m = memory[key]
-            print(f"  {key:<5} {m['step_peak_mb']:7.1f} MB   (process peak {m['peak_rss_mb']:.0f} MB, "
+            print(f"  {key:<5} {m['step_peak_mb']:7.1f} MB   (peak {m['peak_rss_mb']:.0f} MB, "
                   f"before the steps {m['rss_before_mb']:.0f} MB)")
     print(f"ours_s_per_step={med['ours']:.4f} trl_s_per_step={med['trl']:.4f} ratio={ratio:.3f} "
           f"overhead={overhead:.3f} kl_panel_cost={panel_cost:.4f} ours_peak_mb={ours_mb:.1f} trl_peak_mb={trl_mb:.1f}")

@@ -166,13 +166,14 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             parsed = yaml.safe_load(value) if value.strip() else None
         except yaml.YAMLError:
             parsed = value  # not YAML (e.g. "[run"): kept as text, which the type check refuses for non-str keys
-        set_value(cfg, key.strip(), parsed)
+        set_value(cfg, key.strip(), parsed, text=value.strip())
     validate(cfg)
     return cfg
 
 
-def set_value(cfg: Config, dotted_key: str, value: Any) -> None:
-    """Set `a.b.c` on cfg with the same type checks as the YAML loader."""
+def set_value(cfg: Config, dotted_key: str, value: Any, text: str | None = None) -> None:
+    """Set `a.b.c` on cfg with the same type checks as the YAML loader. `text` is the override as typed:
+    a text field takes it as is where YAML would read a boolean (`trainer.mixed_precision=no`)."""
     *parents, name = dotted_key.split(".")
     node, prefix = cfg, ""
     for part in parents:
@@ -182,6 +183,8 @@ def set_value(cfg: Config, dotted_key: str, value: Any) -> None:
             raise ConfigError(f"unknown config key {dotted_key!r}: {prefix[:-1]!r} is a value, not a section.")
     _check_key(node, name, prefix)
     hint = typing.get_type_hints(type(node))[name]
+    if text is not None and isinstance(value, bool) and str in (hint, *typing.get_args(hint)):
+        value = text
     setattr(node, name, _coerce(value, hint, prefix + name))
 
 
@@ -237,6 +240,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         or (base is float and isinstance(value, (int, float)) and not isinstance(value, bool))
         or (base is str and isinstance(value, str))
     )
+    if not ok and base is str and isinstance(value, bool):
+        raise ConfigError(f"config key {key!r} expects text, got the boolean {value!r}: YAML reads no/yes/on/off "
+                          f"as booleans, so quote the word (e.g. mixed_precision: 'no').")
     if not ok:
         raise ConfigError(f"config key {key!r} expects {base.__name__}, got {value!r} ({type(value).__name__}).")
     return float(value) if base is float else value

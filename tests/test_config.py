@@ -87,3 +87,18 @@ def test_suspicious_settings_warn():
 def test_shipped_configs_load():
     for name in ("configs/tiny.yaml", "configs/gsm8k_qwen2.5_0.5b.yaml"):
         load_config(name)
+
+
+def test_yaml_boolean_words_in_text_fields(tmp_path):
+    """YAML 1.1 reads `no` as False. An override takes the word as typed; a file gets a clear error."""
+    assert load_config(None, ["trainer.mixed_precision=no"]).trainer.mixed_precision == "no"
+    assert load_config(None, ["trainer.mixed_precision=bf16"]).trainer.mixed_precision == "bf16"
+    assert load_config(None, ["trainer.log_kl_panel=no"]).trainer.log_kl_panel is False  # a real boolean
+    with pytest.raises(ConfigError, match="mixed_precision.*choices|valid"):
+        load_config(None, ["trainer.mixed_precision=off"])  # taken as the text "off", which is not a choice
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  mixed_precision: no\n")
+    with pytest.raises(ConfigError, match="quote the word"):
+        load_config(str(path))
+    path.write_text("trainer:\n  mixed_precision: 'no'\n")
+    assert load_config(str(path)).trainer.mixed_precision == "no"
