@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", help="trainer.output_dir of a run of the embedded default")
     output_dir = parser.parse_args(argv).output_dir
+    import transformers
+
+    transformers.logging.disable_progress_bar()  # "Loading weights" bars between the table's rows
     print("| greedy held-out answers | correct | reports the first step's result (habit) | other wrong answer |")
     print("|---|---|---|---|")
     for label, counts in report(output_dir):
