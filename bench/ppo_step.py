@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import io
 import json
 import os
@@ -391,7 +390,7 @@ class FloorSide:
 
     def __init__(self, workdir: str):
         from rlhf.models import load_causal_lm, load_critic
-        from rlhf.rollout import left_pad
+        from rlhf.rollout import kv_cache_name, left_pad
 
         model_dir, tokenizer, prompts = load_workload(workdir)
         torch.manual_seed(SEED)
@@ -399,9 +398,7 @@ class FloorSide:
         self.actor = load_causal_lm(model_dir).eval().to(self.device)
         self.critic = load_critic(model_dir).eval().to(self.device)
         self.ref = load_causal_lm(model_dir).eval().requires_grad_(False).to(self.device)
-        # transformers 5.24 renamed the KV cache argument and output `past_key_values` -> `cache`.
-        forward_args = inspect.signature(self.actor.forward).parameters
-        self.cache_name = "cache" if "cache" in forward_args else "past_key_values"
+        self.cache_name = kv_cache_name(self.actor)  # `past_key_values` or, from transformers 5.24, `cache`
         # The fastest AdamW on this device, as the trainer and TRL's side use.
         self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=LR, weight_decay=0.0, fused=True)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=LR, weight_decay=0.0, fused=True)

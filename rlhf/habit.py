@@ -36,20 +36,19 @@ def classify(response: str, answer: str, method: str = "strict") -> str:
 def greedy_counts(model, tokenizer, problems, max_prompt_length: int, max_response_length: int,
                   method: str = "strict", batch_size: int = 128) -> Counter:
     """Counts of `CATEGORIES` over the greedy answers of `model` to `problems` (a GSM8K-schema Dataset)."""
-    from rlhf.data import build_prompt
+    from rlhf.data import tokenize_prompts
     from rlhf.rollout import SamplingParams, generate, left_pad
 
+    prompts, num_filtered = tokenize_prompts(problems, tokenizer, max_prompt_length)
+    if num_filtered:  # the rows would no longer line up with their answers
+        raise ValueError(f"{num_filtered} held-out prompts are longer than data.max_prompt_length={max_prompt_length}")
     params = SamplingParams(max_response_length, greedy=True)
     counts = Counter({c: 0 for c in CATEGORIES})
-    for start in range(0, len(problems), batch_size):
-        rows = problems[start:start + batch_size]
-        prompts = [build_prompt(tokenizer, q) for q in rows["question"]]
-        ids = tokenizer(prompts, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
-        if max(map(len, ids)) > max_prompt_length:
-            raise ValueError(f"a held-out prompt is longer than data.max_prompt_length={max_prompt_length}")
+    for start in range(0, len(prompts), batch_size):
+        ids = prompts[start:start + batch_size]["input_ids"]
         batch = generate(model, tokenizer, *left_pad(ids, tokenizer.pad_token_id), params)
         texts = tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True)
-        counts.update(classify(t, a, method) for t, a in zip(texts, rows["answer"]))
+        counts.update(classify(t, a, method) for t, a in zip(texts, problems[start:start + batch_size]["answer"]))
     return counts
 
 

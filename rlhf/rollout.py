@@ -93,6 +93,12 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     return build_batch(prompt_ids, prompt_mask, response_ids, response_mask)
 
 
+def kv_cache_name(model) -> str:
+    """The name of the KV cache in `model`'s forward arguments and outputs: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name goes in 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | None, pad_token_id: int):
     """(B, max_new_tokens) sampled tokens; pad after a sequence's EOS, and for every sequence once all have
     stopped."""
@@ -100,8 +106,7 @@ def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | N
     # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, params.max_new_tokens)], dim=1)
     position_ids = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # as in build_batch
-    # transformers 5.24 renamed the KV cache argument and output `past_key_values` -> `cache`; take either.
-    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_name = kv_cache_name(model)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
                 use_cache=True, logits_to_keep=1)
     if getattr(out, cache_name, None) is None:
