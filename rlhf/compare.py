@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import yaml
 
-from rlhf.config import ConfigError, load_config
-from rlhf.kl import PANEL_ESTIMATORS, check_estimator
+from rlhf.config import ConfigError, from_dict, load_config, run_label
+from rlhf.kl import PANEL_ESTIMATORS, canonical, check_estimator
 from rlhf.tracking import read_metrics
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,8 +76,8 @@ class Arm:
 
     @property
     def name(self) -> str:
-        """The trainer's wandb tag for this run (train.kl_tags): `reward:k1`, `loss:k3+`, `no-kl`."""
-        return "no-kl" if self.placement == "none" else f"{self.placement}:{self.estimator}"
+        """The run's label (rlhf.config.run_label, also its wandb tag): `reward:k1`, `loss:k3+`, `no-kl`."""
+        return run_label(load_config(None, self.overrides()))
 
     @property
     def dirname(self) -> str:
@@ -197,16 +197,6 @@ class Run:
         return self.rows[-1]["step"] if self.rows else 0
 
 
-def run_label(config: dict) -> str:
-    """Placement and estimator of a run, from its resolved config (same naming as train.kl_tags)."""
-    parts = []
-    if config["algorithm"]["use_kl_in_reward"]:
-        parts.append(f"reward:{config['algorithm']['kl_penalty']}")
-    if config["actor"]["use_kl_loss"]:
-        parts.append(f"loss:{config['actor']['kl_loss_type']}")
-    return " + ".join(parts) or "no-kl"
-
-
 def _order(label: str) -> tuple:
     """Report order: no KL, then the reward runs, then the loss runs, each in DEFAULT_GRID order."""
     known = list(DEFAULT_GRID)
@@ -223,7 +213,7 @@ def load_runs(directory: str) -> list[Run]:
             continue
         with open(config_path) as f:
             config = yaml.safe_load(f)
-        runs.append(Run(run_label(config), run_dir, config, read_metrics(path)))
+        runs.append(Run(run_label(from_dict(config)), run_dir, config, read_metrics(path)))
     return sorted(runs, key=lambda r: _order(r.label))
 
 
@@ -235,8 +225,7 @@ def legend_name(label: str) -> str:
 
 
 # Colour = estimator (the same in both placements), line style = placement.
-_COLOURS = {"k1": "tab:blue", "kl": "tab:blue", "k2": "tab:orange", "mse": "tab:orange", "k3": "tab:green",
-            "low_var_kl": "tab:green", "k3+": "tab:red", "low_var_kl+": "tab:red", "full": "tab:purple",
+_COLOURS = {"k1": "tab:blue", "k2": "tab:orange", "k3": "tab:green", "k3+": "tab:red", "full": "tab:purple",
             "abs": "tab:brown", "k1+": "tab:pink", "abs+": "tab:olive", "k2+": "tab:cyan"}
 _STYLES = {"reward": "-", "loss": "--"}
 
@@ -245,7 +234,7 @@ def _style(label: str) -> dict:
     if label == "no-kl":
         return dict(color="black", linestyle=":", marker="o")
     placement, _, estimator = label.split(" + ")[0].partition(":")
-    return dict(color=_COLOURS.get(estimator, "tab:gray"), linestyle=_STYLES[placement],
+    return dict(color=_COLOURS.get(canonical(estimator), "tab:gray"), linestyle=_STYLES[placement],
                 marker="o" if placement == "reward" else "s")
 
 

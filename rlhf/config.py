@@ -192,6 +192,28 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def from_dict(raw: dict[str, Any]) -> Config:
+    """A Config from a mapping such as a run's saved config.yaml, with the loader's type checks but without
+    `validate` (the files a finished run names may be gone)."""
+    return _build(Config, raw, prefix="")
+
+
+def kl_tags(cfg: Config) -> list[str]:
+    """Where the KL is and which estimator, e.g. ["reward:k1", "loss:k3+"], or ["no-kl"]: the run's wandb
+    tags, and joined by " + " its label in rlhf.compare and the sweep."""
+    tags = []
+    if cfg.algorithm.use_kl_in_reward:
+        tags.append(f"reward:{cfg.algorithm.kl_penalty}")
+    if cfg.actor.use_kl_loss:
+        tags.append(f"loss:{cfg.actor.kl_loss_type}")
+    return tags or ["no-kl"]
+
+
+def run_label(cfg: Config) -> str:
+    """"reward:k1", "loss:k3+", "reward:k1 + loss:k2" or "no-kl" (see kl_tags)."""
+    return " + ".join(kl_tags(cfg))
+
+
 def _shipped_configs() -> str:
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     names = sorted(f for f in os.listdir(here) if f.endswith(".yaml")) if os.path.isdir(here) else []
@@ -351,13 +373,15 @@ def _looks_like_path(source: str) -> bool:
 
 def warnings_for(cfg: Config) -> list[str]:
     """Legal settings that are almost certainly a mistake; printed once at start."""
+    from rlhf import kl
+
     out = []
     a, ac, r = cfg.algorithm, cfg.actor, cfg.rollout
     kl_on = a.use_kl_in_reward or ac.use_kl_loss
-    if ac.use_kl_loss and ac.kl_loss_type.rstrip("+") in ("k1", "kl") and not ac.kl_loss_type.endswith("+"):
+    if ac.use_kl_loss and kl.canonical(ac.kl_loss_type) == "k1":
         out.append(f"actor.kl_loss_type={ac.kl_loss_type}: k1 as a loss has zero expected gradient; "
                    "this does not regularise (use k2, k3+ or full; or k1 in the reward).")
-    if a.use_kl_in_reward and a.kl_penalty in ("k3", "low_var_kl"):
+    if a.use_kl_in_reward and kl.canonical(a.kl_penalty) == "k3":
         out.append(f"algorithm.kl_penalty={a.kl_penalty}: k3 in the reward gives a biased gradient "
                    "(grad KL(pi||ref) - grad KL(ref||pi)); k1 is the principled choice there.")
     if kl_on and (r.top_k > 0 or r.top_p < 1.0):

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from rlhf import compare
-from rlhf.config import Config, ConfigError, load_config, to_dict
+from rlhf.config import Config, ConfigError, from_dict, kl_tags, load_config, run_label, to_dict
 from rlhf.embedded import EmbeddedConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -279,12 +279,15 @@ def test_report_only_on_an_empty_directory_says_so(tmp_path):
 
 
 def test_run_label_names_placement_and_estimator():
-    cfg = to_dict(load_config(TINY, ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k3",
-                                     "actor.use_kl_loss=true", "actor.kl_loss_type=k3+"]))
-    assert compare.run_label(cfg) == "reward:k3 + loss:k3+"
-    assert compare.legend_name(compare.run_label(cfg)) == "KL in reward: k3 + KL in loss: k3+"
-    cfg["algorithm"]["use_kl_in_reward"] = cfg["actor"]["use_kl_loss"] = False
-    assert compare.run_label(cfg) == "no-kl" and compare.legend_name("no-kl") == "no KL"
+    cfg = load_config(TINY, ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k3",
+                             "actor.use_kl_loss=true", "actor.kl_loss_type=k3+"])
+    assert run_label(cfg) == "reward:k3 + loss:k3+" == run_label(from_dict(to_dict(cfg)))
+    assert kl_tags(cfg) == ["reward:k3", "loss:k3+"]
+    assert compare.legend_name(run_label(cfg)) == "KL in reward: k3 + KL in loss: k3+"
+    cfg.algorithm.use_kl_in_reward = cfg.actor.use_kl_loss = False
+    assert run_label(cfg) == "no-kl" and compare.legend_name("no-kl") == "no KL"
+    # The grid's run names are the same labels.
+    assert [compare.Arm.parse(name).name for name in compare.DEFAULT_GRID] == list(compare.DEFAULT_GRID)
 
 
 # ----------------------------------------------------------------------------- end to end, real train.py

@@ -1,10 +1,13 @@
-"""Tests for rlhf/kl.py and rlhf/kl_theory.py. The facts and numbers come from shared/reference/KL.md.
+"""Tests for rlhf/kl and rlhf/kl_theory.py. The facts and numbers are those of docs/kl.md.
 
 Expectations are exact (enumerating a 4-token vocabulary), so nothing here can flake; the one Monte-Carlo
 test uses a fixed seed and 5 standard errors with the standard deviation computed exactly.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,8 +25,8 @@ from rlhf.kl import (
     check_kl_ctrl,
     full_kl,
     kl_panel,
+    canonical,
     kl_penalty,
-    main,
     register_estimator,
 )
 
@@ -357,9 +360,10 @@ def test_monte_carlo_means_match_exact_values():
         assert abs(sample_mean - exact) <= 5 * std / math.sqrt(num_samples), name
 
 
-def test_demo_prints_the_report(capsys):
-    main()
-    out = capsys.readouterr().out
+def test_demo_prints_the_report():
+    """`python -m rlhf.kl`, as a user runs it; a fresh interpreter also shows that rlhf.kl imports alone."""
+    out = subprocess.run([sys.executable, "-m", "rlhf.kl"], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
     for number in ("0.244174", "0.209427", "0.558366", "0.311199", "0.456435", "+0.224486, -0.018556"):
         assert number in out
     k3_plus_row = next(line for line in out.splitlines() if line.strip().startswith("k3+"))
@@ -584,3 +588,15 @@ def test_kl_panel_matches_masked_means():
     lp2[~keep], ref2[~keep] = float("nan"), float("inf")
     assert kl_panel(lp2, ref2, mask) == panel
     assert kl_panel(lp, ref, torch.zeros(4, 16)) == {f"kl/{n}": 0.0 for n in PANEL_ESTIMATORS}
+
+
+@pytest.mark.parametrize("name, expected", [("k1", "k1"), ("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"),
+                                            ("low_var_kl+", "k3+"), ("kl+", "k1+"), ("abs+", "abs+"),
+                                            ("full", "full")])
+def test_canonical_names(name, expected):
+    assert canonical(name) == expected
+
+
+def test_canonical_refuses_unknown_names():
+    with pytest.raises(ValueError, match="valid names"):
+        canonical("k4")

@@ -149,6 +149,16 @@ def check_estimator(name: str, allow_full: bool = False) -> str:
     return name
 
 
+def canonical(name: str) -> str:
+    """The first-registered name of an estimator, keeping a `+` suffix: `low_var_kl+` -> `k3+`, `mse` -> `k2`,
+    `full` -> `full`. Raises like check_estimator(name, allow_full=True)."""
+    check_estimator(name, allow_full=True)
+    if name == "full":
+        return name
+    base, plus = _parse(name)
+    return next(n for n, fn in _ESTIMATORS.items() if fn is base) + ("+" if plus else "")
+
+
 def _upcast(x: torch.Tensor) -> torch.Tensor:
     """bf16/fp16 (and ints) -> float32; float32/float64 unchanged."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -338,14 +348,3 @@ def build_kl_controller(
     if type == "fixed":
         return FixedKLController(kl_coef)
     return AdaptiveKLController(kl_coef, target_kl, horizon)
-
-
-def main() -> None:
-    """Print the exact estimator report of rlhf.kl_theory for KL.md's examples A and B."""
-    from rlhf.kl_theory import report  # imported here: kl_theory itself imports this module
-
-    print(report())
-
-
-if __name__ == "__main__":
-    main()
