@@ -28,6 +28,7 @@ from rlhf.kl import (
     canonical,
     kl_penalty,
     register_estimator,
+    rho_in_graph,
 )
 
 BASE_NAMES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
@@ -50,7 +51,7 @@ def grads(name, lp, ref):
 
 
 def numpy_reference(name, lp, ref):
-    """Value and d/dlogprob of each estimator, written from KL.md's table in float64 (verl's k3 clamps)."""
+    """Value and d/dlogprob of each estimator, written from docs/kl.md's table in float64 (verl's k3 clamps)."""
     base = name[:-1] if name.endswith("+") else name
     base = ALIASES.get(base, base)
     d = lp - ref
@@ -253,7 +254,7 @@ def test_identical_inputs_give_zero(name):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The science, exactly, by enumerating KL.md's examples A and B.
+# The science, exactly, by enumerating docs/kl.md's examples A and B.
 
 
 @pytest.fixture(params=["A", "B"])
@@ -368,6 +369,256 @@ def test_demo_prints_the_report():
         assert number in out
     k3_plus_row = next(line for line in out.splitlines() if line.strip().startswith("k3+"))
     assert k3_plus_row.split()[1:3] == ["1.00000", "0.000000"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Off-policy: kl_penalty(..., old_logprob) on tokens sampled from pi_old, exact by enumeration (docs/kl.md,
+# 'Off-policy samples and importance correction', worked example C).
+
+IN_GRAPH_NAMES = ("k1", "kl", "k3", "low_var_kl")  # rho inside the graph; every other name: rho detached
+KL_GRAD_NAMES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl") + PLUS_NAMES  # corrected: grad KL(pi || ref)
+C_TARGET = (0.224486, -0.018556, -0.113250, -0.092681)  # grad KL(pi || ref) of example A (and C)
+
+
+@pytest.fixture(params=["C", "B-old-uniform"])
+def off_policy(request):
+    """(name, logits, ref_probs, old_probs, and pi, ref, old as float64 numpy): docs/kl.md's example C, and
+    example B's pi and ref with tokens sampled from the uniform distribution."""
+    if request.param == "C":
+        logits, ref, old = kl_theory.off_policy_example("C")
+    else:
+        logits, ref = kl_theory.example("B")
+        old = torch.full((4,), 0.25, dtype=torch.float64)
+    return request.param, logits, ref, old, logits.softmax(-1).numpy(), ref.numpy(), old.numpy()
+
+
+def score_grad(weight, f, pi):
+    """sum_x weight_x f_x grad_logits log pi(x) = weight * f - pi * (weight . f), written by hand."""
+    return weight * f - pi * (weight @ f)
+
+
+def hand_off_policy_grad(name, pi, ref, old, weighting):
+    """The expected loss gradient over x ~ pi_old, by hand from numpy_reference's X and X' = dX/dlogprob:
+    'none': E_old[X' grad log pi]; 'detached' rho: E_pi[X' grad log pi]; rho in the 'graph' adds
+    E_pi[X grad log pi] (rho X has gradient rho X grad log pi + rho X' grad log pi)."""
+    value, slope = numpy_reference(name, np.log(pi), np.log(ref))
+    if weighting == "none":
+        return score_grad(old, slope, pi)
+    detached = score_grad(pi, slope, pi)
+    return detached if weighting == "detached" else detached + score_grad(pi, value, pi)
+
+
+def weighted_loss_grad(name, logits, ref, old, weighting):
+    """Autograd of sum_x old_x w(x) kl_penalty(x) with the weight built here, not by kl_penalty:
+    w = 1 ('none'), sg(rho) ('detached') or rho ('graph'), rho = pi / pi_old."""
+    leaf = logits.detach().clone().requires_grad_(True)
+    logprobs = torch.log_softmax(leaf, -1)
+    rho = (logprobs - old.log()).exp()
+    weight = {"none": torch.ones_like(rho), "detached": rho.detach(), "graph": rho}[weighting]
+    (grad,) = torch.autograd.grad((old * weight * kl_penalty(logprobs, ref.log(), name)).sum(), leaf)
+    return grad.numpy()
+
+
+def test_rho_in_graph_rule():
+    assert {name for name in ESTIMATOR_NAMES if rho_in_graph(name)} == set(IN_GRAPH_NAMES)
+    with pytest.raises(ValueError, match="valid names"):
+        rho_in_graph("k4")
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_off_policy_expected_values(off_policy, name):
+    case, logits, ref, old, pi, ref_np, old_np = off_policy
+    value, _ = numpy_reference(name, np.log(pi), np.log(ref_np))
+    corrected = kl_theory.expected_off_policy_value(name, logits, ref, old, corrected=True).item()
+    uncorrected = kl_theory.expected_off_policy_value(name, logits, ref, old, corrected=False).item()
+    # E_old[rho X] = E_pi[X], X's on-policy mean (bias included: k2, abs)
+    assert corrected == pytest.approx(kl_theory.expected_value(name, logits, ref).item(), rel=1e-12)
+    assert corrected == pytest.approx(float(pi @ value), rel=1e-12)
+    assert uncorrected == pytest.approx(float(old_np @ value), rel=1e-12)
+    if case == "C":
+        assert abs(uncorrected - corrected) > 0.03  # the unweighted mean is off
+        assert corrected == pytest.approx(
+            {"k1": 0.244174, "k2": 0.209427, "k3": 0.244174, "abs": 0.558366}[canonical(name).rstrip("+")], abs=1e-6
+        )
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_off_policy_expected_loss_gradients(off_policy, name):
+    case, logits, ref, old, pi, ref_np, old_np = off_policy
+    rev, _, two_tv = analytic_grads(pi, ref_np)
+    corrected = kl_theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=True).numpy()
+    uncorrected = kl_theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=False).numpy()
+    close = dict(rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(uncorrected, hand_off_policy_grad(name, pi, ref_np, old_np, "none"), **close)
+    rule = "graph" if name in IN_GRAPH_NAMES else "detached"
+    np.testing.assert_allclose(corrected, hand_off_policy_grad(name, pi, ref_np, old_np, rule), **close)
+    np.testing.assert_allclose(corrected, weighted_loss_grad(name, logits, ref, old, rule), **close)
+    if name in KL_GRAD_NAMES:
+        np.testing.assert_allclose(corrected, rev, **close)  # the whole point
+        if case == "C":
+            assert np.abs(uncorrected - rev).max() > 0.05
+    else:  # abs: rho detached keeps its on-policy loss gradient, 2 grad TV(pi, ref), not a KL gradient
+        np.testing.assert_allclose(corrected, two_tv, **close)
+        np.testing.assert_allclose(corrected, kl_theory.expected_loss_grad(name, logits, ref).numpy(), **close)
+        assert np.abs(corrected - rev).max() > 0.05
+        if case == "C":
+            assert np.abs(uncorrected - two_tv).max() > 0.05
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_off_policy_other_weighting_is_biased(off_policy, name):
+    """The weighting kl_penalty does not use, built by hand, misses grad KL(pi || ref) in every case."""
+    case, logits, ref, old, pi, ref_np, old_np = off_policy
+    rev, fwd, two_tv = analytic_grads(pi, ref_np)
+    other = "detached" if name in IN_GRAPH_NAMES else "graph"
+    grad = weighted_loss_grad(name, logits, ref, old, other)
+    close = dict(rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(grad, hand_off_policy_grad(name, pi, ref_np, old_np, other), **close)
+    base = canonical(name).rstrip("+")
+    if name in ("k1", "kl"):
+        np.testing.assert_allclose(grad, 0.0, **close)  # detached rho: k1's on-policy loss, zero
+    elif name in ("k3", "low_var_kl"):
+        np.testing.assert_allclose(grad, fwd, **close)  # detached rho: k3's on-policy loss, the forward KL
+    elif name.endswith("+") or base == "k2":
+        # rho in the graph adds E_pi[X grad log pi], X's reward-placement gradient, to the exact one
+        reward = kl_theory.expected_reward_grad(base, logits, ref).numpy()
+        np.testing.assert_allclose(grad, rev + reward, **close)
+    else:  # abs with rho in the graph: grad E_pi|d|, the gradient of a value biased high
+
+        def mean_abs(z, q):
+            return (z.softmax(-1) * (z.log_softmax(-1) - q.log()).abs()).sum()
+
+        np.testing.assert_allclose(grad, kl_theory.divergence_grad(mean_abs, logits, ref).numpy(), **close)
+        assert np.abs(grad - two_tv).max() > 0.05
+    if base == "k1" and name.endswith("+"):
+        np.testing.assert_allclose(grad, 2 * rev, **close)  # k1+ in the graph: twice the gradient
+    assert np.abs(grad - rev).max() > 0.05
+
+
+def test_example_c_numbers():
+    """docs/kl.md's worked example C, pinned."""
+    logits, ref, old = kl_theory.off_policy_example("C")
+    assert kl_theory.OFF_POLICY_EXAMPLES["C"] == ("A", (0.4, 0.3, 0.2, 0.1))
+
+    def corrected(name):
+        return kl_theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=True).numpy()
+
+    def uncorrected(name):
+        return kl_theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=False).numpy()
+
+    def by_hand(name, weighting):
+        return weighted_loss_grad(name, logits, ref, old, weighting)
+
+    pinned = [
+        (uncorrected("k3"), (0.341667, 0.135000, -0.090833, -0.385833)),
+        (uncorrected("k2"), (0.242836, 0.034043, -0.112492, -0.164386)),
+        (uncorrected("k3+"), (0.242836, 0.034043, -0.112492, -0.164386)),
+        (uncorrected("k1"), (-0.1, 0.0, 0.05, 0.05)),  # = pi_old - pi
+        (uncorrected("abs"), (0.2, 0.18, -0.26, -0.12)),
+        (corrected("k1"), C_TARGET),
+        (corrected("k3"), C_TARGET),
+        (corrected("k2"), C_TARGET),
+        (corrected("k3+"), C_TARGET),
+        (corrected("abs"), (0.2, 0.12, -0.24, -0.08)),  # = 2 grad TV
+        (by_hand("k3+", "graph"), (0.198973, -0.087112, -0.126500, 0.014639)),
+        (by_hand("k2", "graph"), (0.239886, -0.076398, -0.125093, -0.038395)),
+        (by_hand("k3", "detached"), (0.25, 0.05, -0.10, -0.20)),  # = pi - ref
+        (by_hand("k1", "detached"), (0.0, 0.0, 0.0, 0.0)),
+        (by_hand("abs", "graph"), (0.267391, 0.007187, -0.247131, -0.027446)),
+    ]
+    for got, want in pinned:
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    for name, want in (("k1", 0.244174), ("k3", 0.244174), ("k2", 0.209427), ("abs", 0.558366)):
+        value = kl_theory.expected_off_policy_value(name, logits, ref, old, corrected=True).item()
+        assert value == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_old_logprob_none_or_equal_to_logprob(name):
+    lp, ref = random_logprobs()
+    today = kl_penalty(lp, ref, name)
+    today_grads = grads(name, lp, ref)
+    for a, b in zip(torch.autograd.grad(kl_penalty(lp, ref, name, old_logprob=None).sum(), (lp, ref)), today_grads):
+        assert torch.equal(a, b)
+    # rho == 1: the value is today's, bit for bit; the old_logprob passed with grad is not differentiated
+    for old in (lp.detach().clone(), lp):
+        out = kl_penalty(lp, ref, name, old_logprob=old)
+        assert torch.equal(out, today)
+        g_lp, g_ref = torch.autograd.grad(out.sum(), (lp, ref))
+        assert torch.equal(g_ref, today_grads[1])
+        if name in IN_GRAPH_NAMES:
+            # rho in the graph is not a no-op at rho == 1: d(rho X)/dlogprob = X + X'
+            torch.testing.assert_close(g_lp, today_grads[0] + today.detach(), rtol=1e-6, atol=1e-6)
+            assert not torch.allclose(g_lp, today_grads[0])
+        else:  # detached rho == 1: exactly today's gradient
+            assert torch.equal(g_lp, today_grads[0])
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_old_logprob_per_sample_formula(name):
+    """rho * X, rho = exp(clamp(logprob - old_logprob, -20, 20)), with rho in the graph or detached."""
+    lp, ref = random_logprobs((16, 16), seed=4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    shift = torch.randn((16, 16), generator=g, dtype=torch.float64)
+    shift[0, :4] = torch.tensor([25.0, -25.0, 19.5, -19.5])  # two ratios clamped, two not
+    old = (lp.detach() - shift).requires_grad_(True)
+    out = kl_penalty(lp, ref, name, old_logprob=old)
+    g_lp, g_ref, g_old = torch.autograd.grad(out.sum(), (lp, ref, old), allow_unused=True)
+    assert g_old is None or torch.equal(g_old, torch.zeros_like(g_old))  # old_logprob is never differentiated
+    value, slope = numpy_reference(name, lp.detach().numpy(), ref.detach().numpy())
+    log_ratio = shift.numpy()
+    rho = np.exp(np.clip(log_ratio, -20, 20))
+    np.testing.assert_allclose(out.detach().numpy(), rho * value, rtol=1e-12, atol=1e-12)
+    want = rho * slope + (rho * value * (np.abs(log_ratio) < 20) if name in IN_GRAPH_NAMES else 0)
+    np.testing.assert_allclose(g_lp.numpy(), want, rtol=1e-10, atol=1e-10)
+    (g_ref_today,) = torch.autograd.grad(kl_penalty(lp, ref, name).sum(), ref)
+    np.testing.assert_allclose(g_ref.numpy(), rho * g_ref_today.numpy(), rtol=1e-12, atol=1e-12)
+    assert out[0, 0].item() == pytest.approx(math.exp(20) * value[0, 0], rel=1e-12)
+
+
+def test_old_logprob_shape_mismatch_raises():
+    lp, ref = random_logprobs((4, 8))
+    for bad in (lp.detach()[:, :1], lp.detach()[0], lp.detach().unsqueeze(0)):
+        with pytest.raises(ValueError, match="old_logprob"):
+            kl_penalty(lp, ref, "k3", old_logprob=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_old_logprob_half_inputs(name, dtype):
+    lp, ref = random_logprobs(dtype=dtype)
+    old = (lp.detach().float() - 0.3 * torch.arange(8).float()).to(dtype)
+    out = kl_penalty(lp, ref, name, old_logprob=old)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, kl_penalty(lp.float(), ref.float(), name, old_logprob=old.float()))
+    (g,) = torch.autograd.grad(out.sum(), lp)
+    assert g.dtype == dtype and torch.isfinite(g.float()).all()
+    assert not torch.equal(out, kl_penalty(lp, ref, name))  # the weight is applied
+
+
+def test_demo_prints_the_off_policy_table():
+    out = subprocess.run([sys.executable, "-m", "rlhf.kl"], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    section = out[out.index("Example C (off-policy)"):]
+    assert "pi_old = (0.4, 0.3, 0.2, 0.1)" in section and "+0.224486, -0.018556" in section
+    # estimator, rho, uncorrected cos/err, corrected cos/err, other rho cos/err, E_old[k], E_old[rho k], E_pi[k]
+    rows = {}
+    for line in section.replace("in graph", "in-graph").splitlines():
+        cells = line.split()
+        if cells and cells[0] in kl_theory.REPORT_ESTIMATORS:
+            rows[cells[0]] = cells[1:]
+    assert list(rows) == list(kl_theory.REPORT_ESTIMATORS)
+    for name, cells in rows.items():
+        assert len(cells) == 10, name
+        assert cells[0] == ("in-graph" if name in IN_GRAPH_NAMES else "detached"), name
+        if name != "abs":
+            assert cells[3:5] == ["1.00000", "0.000000"], name  # corrected: grad KL(pi || ref)
+        assert cells[8] == cells[9] != cells[7], name  # corrected value == E_pi[k] != uncorrected value
+    assert rows["k1"][1:3] == ["-0.99534", "0.324486"]  # uncorrected k1: pi_old - pi
+    assert rows["k1"][5:7] == ["zero", "0.224486"]  # k1 with rho detached: nothing
+    assert rows["k1+"][5:7] == ["1.00000", "0.224486"]  # k1+ with rho in the graph: twice grad KL
+    assert rows["abs"][1:8] == ["0.77807", "0.198556", "0.83595", "0.138556", "0.92175", "0.133881", "0.595064"]
+    assert rows["k3"][1:3] == ["0.82827", "0.293153"] and rows["k3"][7:] == ["0.352180", "0.244174", "0.244174"]
 
 
 # ---------------------------------------------------------------------------------------------------------

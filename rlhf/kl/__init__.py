@@ -3,24 +3,40 @@
 Per token, with `d = logprob - ref_logprob` (log pi(x) - log pi_ref(x), x sampled from pi), each estimator
 targets the reverse KL(pi || pi_ref) = E_{x~pi}[d]. Names are verl's, which users already type:
 
-| name(s)            | value                      | bias (E[value] - KL) | d(value)/d(logprob) | E[loss gradient]     |
-|--------------------|----------------------------|----------------------|---------------------|----------------------|
-| `k1`, `kl`         | d                          | 0                    | 1                   | 0 (use in reward)    |
-| `k2`, `mse`        | d^2 / 2                    | 3rd order, any sign  | d                   | grad KL(pi || ref)   |
-| `k3`, `low_var_kl` | exp(-d) - 1 + d            | 0 (unless clamped)   | 1 - exp(-d)         | grad KL(ref || pi)   |
-| `abs`              | abs(d)                     | >= 0                 | sign(d)             | 2 grad TV(pi, ref)   |
-| `X+` (any above)   | X's value                  | X's bias             | d (k2's)            | grad KL(pi || ref)   |
-| `full` (full_kl)   | sum_v pi_v log(pi_v/ref_v) | none (uses logits)   | exact               | grad KL(pi || ref)   |
+| name(s)            | value                      | E[value] - KL       | d/d(lp)     | E[loss gradient]   | rho      |
+|--------------------|----------------------------|---------------------|-------------|--------------------|----------|
+| `k1`, `kl`         | d                          | 0                   | 1           | 0 (use in reward)  | in graph |
+| `k2`, `mse`        | d^2 / 2                    | 3rd order, any sign | d           | grad KL(pi || ref) | detached |
+| `k3`, `low_var_kl` | exp(-d) - 1 + d            | 0 (unless clamped)  | 1 - exp(-d) | grad KL(ref || pi) | in graph |
+| `abs`              | abs(d)                     | >= 0                | sign(d)     | 2 grad TV(pi, ref) | detached |
+| `X+` (any above)   | X's value                  | X's bias            | d (k2's)    | grad KL(pi || ref) | detached |
+| `full` (full_kl)   | sum_v pi_v log(pi_v/ref_v) | none (uses logits)  | exact       | grad KL(pi || ref) | none     |
+
+`E[loss gradient]` is on-policy; `rho` is how kl_penalty weights the term off-policy (below; `full` sums
+over the vocabulary, so it needs no weight).
 
 In the reward (detached log-probs) `X+` is the same as `X`; only k1 there gives grad KL(pi || ref).
+
+Off-policy (PPO after the first optimizer step: x ~ pi_old, not pi), `kl_penalty(..., old_logprob=...)`
+returns rho * X with rho = pi(x) / pi_old(x), weighted so that the expected gradient is grad KL(pi || ref):
+- rho in the graph for k1, k3 (unbiased values): E_old[rho X] = KL(pi || ref) as a function of theta, so its
+  gradient is exact (for k3, DeepSeek-V3.2's unbiased KL, report section 3.1). Not a no-op at rho = 1: the
+  gradient gains X * grad log pi, which turns k1's 0 and k3's forward-KL gradient into grad KL(pi || ref).
+- rho detached for k2 and every `X+`: E_old[sg(rho) d grad log pi] = E_pi[d grad log pi] = grad KL(pi || ref).
+- rho detached for abs: that keeps abs's on-policy gradient, 2 grad TV (in the graph would give grad E_pi|d|,
+  the gradient of a value biased high, a KL gradient no more), so old_logprob only undoes the sampling shift.
+The other weighting is biased in each case. Any weighted value has mean E_pi[X], X's on-policy mean.
+
 Sources: J. Schulman, "Approximating KL Divergence" (2020) for k1/k2/k3; Shao et al. arXiv:2402.03300 (GRPO
 uses k3 as a loss); Tang & Munos arXiv:2506.09477 and Zhang et al. arXiv:2505.17508 (which gradient each
 placement gives); Liu et al. arXiv:2510.01555 (k2 as a loss == k1 in the reward); Amini et al.
-arXiv:2504.10637 (full-vocabulary KL). The maths and the numbers the tests use are in
-shared/reference/KL.md; exact expectations by enumeration live in `rlhf.kl_theory`.
+arXiv:2504.10637 (full-vocabulary KL); DeepSeek-V3.2 report, section 3.1 (importance-weighted k3). The maths,
+the off-policy section and the numbers the tests use are in docs/kl.md; exact expectations by enumeration
+live in `rlhf.kl_theory`.
 
-Run `python -m rlhf.kl` to print, for two small categorical examples, each estimator's exact mean, bias
-and std, and its expected loss/reward gradient against grad KL(pi || ref).
+Run `python -m rlhf.kl` to print, for small categorical examples, each estimator's exact mean, bias
+and std, its expected loss/reward gradient against grad KL(pi || ref), and (example C) the same off-policy,
+uncorrected and corrected.
 """
 
 import math
@@ -35,13 +51,18 @@ Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # name -> estimator function; aliases map to the same function. Filled by @register_estimator.
 _ESTIMATORS: dict[str, Estimator] = {}
+# the estimators registered with unbiased=True: off-policy, kl_penalty puts rho inside their autograd graph
+_UNBIASED: set[Estimator] = set()
 
 
-def register_estimator(name: str, *aliases: str) -> Callable[[Estimator], Estimator]:
+def register_estimator(name: str, *aliases: str, unbiased: bool = False) -> Callable[[Estimator], Estimator]:
     """Register a base estimator `(logprob, ref_logprob) -> same shape` under `name` and its aliases.
 
     Adding an estimator is one decorated function below (ESTIMATOR_NAMES is built from the registry after
     them). Names may not end in `+` (reserved for the straight-through form) and may not be `full`.
+    `unbiased=True` declares E_{x~pi}[value] == KL(pi || ref) for every pi: kl_penalty then weights it
+    off-policy by rho inside the graph, whose gradient is exactly grad KL(pi || ref); otherwise rho is
+    detached, which keeps the estimator's on-policy expected gradient.
     """
 
     def decorator(fn: Estimator) -> Estimator:
@@ -49,12 +70,14 @@ def register_estimator(name: str, *aliases: str) -> Callable[[Estimator], Estima
             if n in _ESTIMATORS or n.endswith("+") or n in ("", "full"):
                 raise ValueError(f"cannot register KL estimator {n!r}: taken or reserved")
             _ESTIMATORS[n] = fn
+        if unbiased:
+            _UNBIASED.add(fn)
         return fn
 
     return decorator
 
 
-@register_estimator("k1", "kl")
+@register_estimator("k1", "kl", unbiased=True)
 def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     """k1 = d. Unbiased for KL(pi||ref) but negative about half the time; d/dlogprob = 1, so as a loss its
     expected gradient is 0 (E[grad log pi] = 0) while in the reward it gives grad KL(pi||ref) (Schulman 2020)."""
@@ -63,13 +86,13 @@ def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
 
 @register_estimator("k2", "mse")
 def kl_k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
-    """k2 = d^2 / 2. Biased (third order in d, either sign: E[k2] < KL in KL.md's example A), low variance;
+    """k2 = d^2 / 2. Biased (third order in d, either sign: E[k2] < KL in docs/kl.md's example A), low variance;
     d/dlogprob = d, so as a loss its expected gradient is exactly grad KL(pi||ref) (Schulman 2020; Liu et al.
     arXiv:2510.01555: k2 as a loss is gradient-equivalent to k1 in the reward)."""
     return 0.5 * (logprob - ref_logprob).square()
 
 
-@register_estimator("k3", "low_var_kl")
+@register_estimator("k3", "low_var_kl", unbiased=True)
 def kl_k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     """k3 = exp(ref - lp) - 1 + (lp - ref) = r - 1 - log r with r = pi_ref/pi. Unbiased and >= 0 per sample
     (Schulman 2020); d/dlogprob = 1 - exp(-d), so as a loss (GRPO, Shao et al. arXiv:2402.03300) its
@@ -164,23 +187,45 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(
+    logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str, old_logprob: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-token KL estimate, elementwise: logprob, ref_logprob (B, T) or any equal shape -> same shape.
 
     `estimator` is one of ESTIMATOR_NAMES (see the module table). `X+` returns X's value (equal for finite
     values) with k2's gradient, `k2 - k2.detach() + X.detach()`, i.e. d/dlogprob = logprob - ref_logprob
     (and -(logprob - ref_logprob) w.r.t. ref_logprob if it requires grad). Half-precision inputs are computed
     in float32 and the result is float32. Same name and argument order as verl's kl_penalty.
+
+    `old_logprob` (same shape, never differentiated) is the log-prob under the policy that sampled the tokens,
+    for a KL loss on off-policy samples (PPO after the first optimizer step). The result is then rho * term
+    with rho = exp(clamp(logprob - old_logprob, -20, 20)) as in the policy loss: rho inside the graph for k1
+    and k3, detached for k2, abs and every `X+` (the module docstring says why). Then E_{x~pi_old} of the
+    result's value is X's on-policy mean and, for k1, k2, k3 and every `X+`, E_{x~pi_old} of its gradient is
+    grad KL(pi || ref) (for abs, 2 grad TV as on-policy). Note that with rho in the graph the gradient
+    changes even where old_logprob == logprob (rho == 1): the on-policy k1 and k3 losses do not give
+    grad KL(pi || ref), the weighted ones do. None (the default) leaves the term unweighted, as before.
     """
     base, plus = _parse(estimator)
-    if logprob.shape != ref_logprob.shape:
-        raise ValueError(f"logprob {tuple(logprob.shape)} and ref_logprob {tuple(ref_logprob.shape)} differ")
+    for other_name, other in (("ref_logprob", ref_logprob), ("old_logprob", old_logprob)):
+        if other is not None and other.shape != logprob.shape:
+            raise ValueError(f"logprob {tuple(logprob.shape)} and {other_name} {tuple(other.shape)} differ")
     logprob, ref_logprob = _upcast(logprob), _upcast(ref_logprob)
     value = base(logprob, ref_logprob)
-    if not plus:
+    if plus:
+        k2 = kl_k2(logprob, ref_logprob)
+        value = k2 - k2.detach() + value.detach()
+    if old_logprob is None:
         return value
-    k2 = kl_k2(logprob, ref_logprob)
-    return k2 - k2.detach() + value.detach()
+    rho = torch.exp((logprob - _upcast(old_logprob.detach())).clamp(-20.0, 20.0))
+    return (rho if rho_in_graph(estimator) else rho.detach()) * value
+
+
+def rho_in_graph(estimator: str) -> bool:
+    """Whether kl_penalty(..., old_logprob=...) puts rho inside the autograd graph for `estimator` (k1, k3 and
+    their aliases) rather than detaching it (k2, abs, every `X+`). Raises like check_estimator."""
+    base, plus = _parse(estimator)
+    return base in _UNBIASED and not plus
 
 
 @torch.no_grad()
