@@ -4,6 +4,10 @@ A checkpoint is `<output_dir>/checkpoints/step_<k>/`. It is written to `step_<k>
 when complete, so a run killed while saving never leaves a directory that resume would pick and then
 fail on. Everything needed to continue exactly is inside: models, optimizers, RNG states (accelerate)
 and the `TrainerState` registered for checkpointing (step, data position, KL coefficient, wandb id).
+
+Also the two ways a run stops early and keeps its work: `StopOnSignal` (SIGTERM / Ctrl-C: finish the
+step, checkpoint, exit) and `BadStepsError` (too many non-finite steps in a row, naming the checkpoint
+to resume from).
 """
 
 from __future__ import annotations
@@ -11,7 +15,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 from dataclasses import asdict, dataclass, field
+
+import torch
+
+from rlhf.config import Config
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -74,3 +83,46 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+class StopOnSignal:
+    """SIGTERM / Ctrl-C: finish the step, checkpoint, exit cleanly; a second one stops at once."""
+
+    def __init__(self):
+        self.signal: str | None = None
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, _frame):
+        if self.signal:  # the second one: stop now, without a checkpoint
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        print(f"{self.signal} received: finishing this step, then saving a checkpoint "
+              "(send it again to stop at once).", flush=True)
+
+    def requested(self, accelerator) -> bool:
+        """True on every process if any of them got a signal, so that all stop after the same step."""
+        flag = torch.tensor([float(self.signal is not None)], device=accelerator.device)
+        return accelerator.reduce(flag, "sum").item() > 0
+
+
+class BadStepsError(RuntimeError):
+    """trainer.max_bad_steps steps in a row had a non-finite loss or gradient."""
+
+
+def bad_steps_message(cfg: Config, first_bad: int, step: int) -> str:
+    """What went wrong and how to resume from the last checkpoint before the bad steps."""
+    out_dir = cfg.trainer.output_dir
+    before = [c for c in list_checkpoints(out_dir) if checkpoint_step(c) < first_bad]
+    where = (f"The latest checkpoint from before them is {before[-1]}; resume from it with a lower actor.lr / "
+             f"critic.lr or grad_clip: python train.py ... trainer.output_dir={out_dir} trainer.resume_from=auto"
+             if before else f"No checkpoint was saved before them (trainer.save_freq={cfg.trainer.save_freq}).")
+    return (f"steps {first_bad}..{step} all had a non-finite loss or gradient (trainer.max_bad_steps="
+            f"{cfg.trainer.max_bad_steps}); stopping. Their non-finite updates were skipped, so no NaN or inf "
+            f"reached the weights. {where}")

@@ -40,7 +40,7 @@ from rlhf.tracking import read_metrics
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(REPO_ROOT, "train.py")
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.yaml")
-# KL.md's comparison: the principled (k1), the GRPO-style (k3) and the exact (full) estimator in the
+# docs/kl.md's comparison: the principled (k1), the GRPO-style (k3) and the exact (full) estimator in the
 # reward; every loss form, including the two that should not regularise (k1) or regularise the wrong
 # direction (k3); and no KL. configs/sweeps/kl_estimators.yaml holds the same list (a test checks).
 DEFAULT_GRID = ("no-kl", "reward:k1", "reward:k3", "reward:full",

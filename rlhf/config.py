@@ -25,7 +25,8 @@ from typing import Any
 
 import yaml
 
-from rlhf.embedded import EmbeddedConfig
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # model.dtype, model.ref_dtype; the torch dtypes of the same names
 
 
 class ConfigError(ValueError):
@@ -69,7 +70,7 @@ class RolloutConfig:
 class KLCtrlConfig:
     type: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019)
     kl_coef: float = 0.001  # beta, the KL-in-reward coefficient (initial value when adaptive)
-    target_kl: float = 0.1  # adaptive only: per-token KL the controller steers to
+    target_kl: float = 0.1  # adaptive only: the KL the controller steers to (per-token mean of each response, averaged over responses, as verl)
     horizon: int = 10000  # adaptive only: how fast it steers (in samples)
 
 
@@ -124,6 +125,29 @@ class TrainerConfig:
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
     log_kl_panel: bool = True  # log kl/k1, kl/k2, kl/k3, kl/abs, kl/full every step (loads the reference even with no KL on)
     mixed_precision: str | None = None  # no | bf16 | fp16 (autocast); None = whatever `accelerate launch` says
+
+
+@dataclass
+class EmbeddedConfig:
+    """The embedded default (`model.path: embedded`): generated problems, tokenizer, tiny model, warm start."""
+
+    num_train: int = 2048  # training problems written to train.jsonl
+    num_val: int = 256  # held-out problems written to val.jsonl (disjoint questions from train)
+    seed: int = 0  # seeds the problem generator, the model init and the warm start
+    max_difficulty: int = 3  # most arithmetic steps per problem (each problem has 1..max_difficulty)
+    max_value: int = 20  # every operand and intermediate result lies in [1, max_value]
+    vocab_size: int = 512  # BPE vocabulary size (upper bound; a small corpus may yield fewer tokens)
+    hidden_size: int = 128  # model width
+    intermediate_size: int = 384  # MLP width
+    num_layers: int = 4  # transformer blocks
+    num_heads: int = 4  # attention heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention, as in Qwen2)
+    max_position_embeddings: int = 512  # longest sequence (prompt + response) the model is built for
+    sft_steps: int = 400  # supervised warm-start optimizer steps (0 = leave the model random)
+    sft_batch_size: int = 32  # problems per warm-start step
+    sft_lr: float = 3e-3  # peak AdamW learning rate of the warm start (linear warmup, cosine decay)
+    sft_warmup_steps: int = 20  # linear warmup steps of the warm start
+    sft_early_answer_frac: float = 0.8  # share of multi-step demos whose "#### N" gives the first step's result
 
 
 @dataclass
@@ -309,9 +333,9 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
             raise ConfigError(f"config key {key!r}: {e}") from None
 
     m, d, r, a, ac, c, t = cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.actor, cfg.critic, cfg.trainer
-    _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    _choice("model.dtype", m.dtype, DTYPE_NAMES)
     if m.ref_dtype is not None:
-        _choice("model.ref_dtype", m.ref_dtype, ("float32", "bfloat16", "float16"))
+        _choice("model.ref_dtype", m.ref_dtype, DTYPE_NAMES)
     if t.mixed_precision is not None:
         _choice("trainer.mixed_precision", t.mixed_precision, ("no", "bf16", "fp16"))
     _choice("data.reward_method", d.reward_method, ("strict", "flexible"))

@@ -289,7 +289,9 @@ def value_loss(
         clipped = unclipped
     else:
         old_values = old_values.float()
-        values_clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+        # Clip v itself, as verl does: old + clamp(v - old) is not exactly v in float32 even when v is in
+        # range, which would count in-range tokens as clipped.
+        values_clipped = values.clamp(old_values - cliprange_value, old_values + cliprange_value)
         clipped = (values_clipped - returns) ** 2
     vf_losses = 0.5 * torch.maximum(unclipped, clipped)  # (B, T)
 

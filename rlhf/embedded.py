@@ -46,32 +46,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlhf.config import EmbeddedConfig
+
 # transformers, tokenizers, `rlhf.data` (datasets) and `rlhf.models` are imported inside the functions
-# that need them: `rlhf.config` imports this module for `EmbeddedConfig`, and validation should stay fast.
+# that need them, so that importing this module stays fast.
 
 # Bump when the generated data, tokenizer or warm start change, so stale caches are not reused.
 _CACHE_VERSION = 2
-
-
-@dataclass
-class EmbeddedConfig:
-    num_train: int = 2048  # training problems written to train.jsonl
-    num_val: int = 256  # held-out problems written to val.jsonl (disjoint questions from train)
-    seed: int = 0  # seeds the problem generator, the model init and the warm start
-    max_difficulty: int = 3  # most arithmetic steps per problem (each problem has 1..max_difficulty)
-    max_value: int = 20  # every operand and intermediate result lies in [1, max_value]
-    vocab_size: int = 512  # BPE vocabulary size (upper bound; a small corpus may yield fewer tokens)
-    hidden_size: int = 128  # model width
-    intermediate_size: int = 384  # MLP width
-    num_layers: int = 4  # transformer blocks
-    num_heads: int = 4  # attention heads
-    num_kv_heads: int = 2  # key/value heads (grouped-query attention, as in Qwen2)
-    max_position_embeddings: int = 512  # longest sequence (prompt + response) the model is built for
-    sft_steps: int = 400  # supervised warm-start optimizer steps (0 = leave the model random)
-    sft_batch_size: int = 32  # problems per warm-start step
-    sft_lr: float = 3e-3  # peak AdamW learning rate of the warm start (linear warmup, cosine decay)
-    sft_warmup_steps: int = 20  # linear warmup steps of the warm start
-    sft_early_answer_frac: float = 0.8  # share of multi-step demos whose "#### N" gives the first step's result
 
 
 @dataclass

@@ -3,7 +3,6 @@
     tokenizer = load_tokenizer(path)                 # left-padded, pad token guaranteed
     policy = load_causal_lm(path, "bfloat16")
     critic = load_critic(path, "float32")            # same backbone, scalar value head, values ~0 at start
-    values = critic_values(critic, input_ids, attention_mask)   # (B, T) float32
 
 The critic is the causal LM's backbone with a one-output token-classification head, as in TRL and verl:
 `AutoModelForTokenClassification` loads the backbone weights from a causal-LM checkpoint (Qwen2, Llama,
@@ -15,16 +14,16 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rlhf.config import DTYPE_NAMES
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """"bfloat16" -> torch.bfloat16; torch dtypes pass through. Unknown names raise ValueError."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid dtypes: {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, dtype)
 
 
 def load_tokenizer(path_or_name: str):
@@ -58,13 +57,3 @@ def load_critic(path_or_name: str, dtype: str | torch.dtype = "float32"):
             head.bias.zero_()
     return critic
 
-
-def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Value estimates (B, T) in float32 for token ids (B, T), left padding allowed.
-
-    Position ids count real tokens only (as `generate` does for left-padded prompts), so a sequence gets
-    the same values whatever padding surrounds it.
-    """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    return out.logits[..., 0].float()  # (B, T, 1) -> (B, T)

@@ -105,7 +105,7 @@ def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | N
     batch_size, prompt_width = prompt_ids.shape
     # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, params.max_new_tokens)], dim=1)
-    position_ids = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # as in build_batch
+    position_ids = position_ids_from_mask(prompt_mask)
     cache_name = kv_cache_name(model)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
                 use_cache=True, logits_to_keep=1)
@@ -130,6 +130,12 @@ def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | N
                                    value=pad_token_id)
 
 
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions counted over real tokens only, so left padding does not shift them: what
+    transformers' `generate` uses, and what a sequence without padding would get. Padding gets 0."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
 def build_batch(prompt_ids, prompt_mask, response_ids, response_mask) -> dict[str, torch.Tensor]:
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     return {
@@ -139,8 +145,7 @@ def build_batch(prompt_ids, prompt_mask, response_ids, response_mask) -> dict[st
         "response_mask": response_mask,
         "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
         "attention_mask": attention_mask,
-        # Left padding: count positions over real tokens only, as `generate` (and transformers') does.
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "position_ids": position_ids_from_mask(attention_mask),
     }
 
 

@@ -7,11 +7,14 @@ wandb is a convenience, never a requirement: with no credentials it runs offline
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import netrc
 import os
+import time
 import warnings
+from collections import defaultdict
 from typing import Any
 
 
@@ -117,3 +120,19 @@ class MetricsLogger:
 def _plain(value: Any) -> Any:
     value = float(value) if not isinstance(value, (int, str)) else value
     return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+class Timer:
+    """Accumulates wall time per phase: `with timer("gen"): ...`; `timer.metrics()` -> timing_s/*."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}

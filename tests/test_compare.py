@@ -15,7 +15,7 @@ import yaml
 
 from rlhf import compare
 from rlhf.config import Config, ConfigError, from_dict, kl_tags, load_config, run_label, to_dict
-from rlhf.embedded import EmbeddedConfig
+from rlhf.config import EmbeddedConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

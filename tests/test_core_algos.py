@@ -269,6 +269,21 @@ def test_value_loss_clipping_hand_computed():
     assert metrics["critic/vf_clipfrac"] == 0.0
 
 
+def test_value_clipfrac_counts_no_token_whose_value_is_inside_the_range():
+    """verl clips v itself. old + clamp(v - old) rounds away from v in float32 for some in-range values, and
+    then (clipped - R)^2 can exceed (v - R)^2, so the token would be counted as clipped when it is not."""
+    gen = torch.Generator().manual_seed(0)
+    old_values = torch.rand(1, 100_000, generator=gen) * 0.05
+    values = torch.rand(1, 100_000, generator=gen) * 3  # all within old +- 10
+    returns = torch.rand(1, 100_000, generator=gen) * 3
+    mask = torch.ones(1, 100_000)
+    round_trip = old_values + (values - old_values).clamp(-10.0, 10.0)
+    assert ((round_trip - returns) ** 2 > (values - returns) ** 2).sum() > 100  # the data tells the two apart
+    loss, metrics = value_loss(values, old_values, returns, mask, cliprange_value=10.0)
+    assert metrics["critic/vf_clipfrac"] == 0.0
+    assert loss.item() == value_loss(values, old_values, returns, mask, cliprange_value=None)[0].item()
+
+
 # --- log-probs and entropy -------------------------------------------------------------------------------
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rlhf.data import INSTRUCTION, build_prompt, load_gsm8k
-from rlhf.embedded import (EmbeddedConfig, build_model, config_hash, generate_problems, prepare_embedded_default,
+from rlhf.config import EmbeddedConfig
+from rlhf.embedded import (build_model, config_hash, generate_problems, prepare_embedded_default,
                             train_tokenizer, warm_start_demos)
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.rewards.gsm8k import compute_score, extract_ground_truth

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from rlhf.embedded import EmbeddedConfig, build_model, generate_problems, train_tokenizer
-from rlhf.models import critic_values, load_causal_lm, load_critic, load_tokenizer, resolve_dtype
+from rlhf.config import EmbeddedConfig
+from rlhf.embedded import build_model, generate_problems, train_tokenizer
+from rlhf.models import load_causal_lm, load_critic, load_tokenizer, resolve_dtype
+from rlhf.rollout import build_batch, left_pad, response_values
 
 CFG = EmbeddedConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
 
@@ -22,34 +24,16 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _batch(tokenizer, texts):
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    return enc["input_ids"], enc["attention_mask"]
-
-
-def test_load_tokenizer_pads_left_and_falls_back_to_eos(model_dir, tmp_path):
-    tokenizer = load_tokenizer(model_dir)
-    assert tokenizer.padding_side == "left"
-    assert tokenizer.pad_token == "<|endoftext|>"
-    input_ids, attention_mask = _batch(tokenizer, ["Tom has 3 apples.", "Hi"])
-    assert attention_mask[1, 0] == 0 and attention_mask[1, -1] == 1  # the short row is padded on the left
-
-    no_pad = train_tokenizer(["some text 123"], 300)
-    no_pad.pad_token = None
-    no_pad.save_pretrained(str(tmp_path))
-    loaded = load_tokenizer(str(tmp_path))
-    assert loaded.pad_token == loaded.eos_token == "<|im_end|>"
-
-
-def test_policy_round_trips_through_save_pretrained(model_dir, tmp_path):
-    tokenizer = load_tokenizer(model_dir)
-    policy = load_causal_lm(model_dir).eval()
-    input_ids, attention_mask = _batch(tokenizer, ["Tom has 3 apples.", "Anna has 12 books. She sells 4."])
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask).logits
-    policy.save_pretrained(str(tmp_path))
-    again = load_causal_lm(str(tmp_path)).eval()
-    assert torch.equal(again(input_ids=input_ids, attention_mask=attention_mask).logits, logits)
-    assert next(load_causal_lm(model_dir, "bfloat16").parameters()).dtype == torch.bfloat16
+def _rollout_batch(tokenizer, prompts, responses):
+    """A rollout batch as the trainer builds it: left-padded prompts, right-padded responses."""
+    prompt_ids, prompt_mask = left_pad([tokenizer.encode(p) for p in prompts], tokenizer.pad_token_id)
+    encoded = [tokenizer.encode(r) for r in responses]
+    width = max(len(r) for r in encoded)
+    response_ids = torch.full((len(encoded), width), tokenizer.pad_token_id)
+    response_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for i, r in enumerate(encoded):
+        response_ids[i, :len(r)], response_mask[i, :len(r)] = torch.tensor(r), 1
+    return build_batch(prompt_ids, prompt_mask, response_ids, response_mask)
 
 
 def test_critic_shares_the_backbone_and_starts_at_zero(model_dir):
@@ -57,36 +41,37 @@ def test_critic_shares_the_backbone_and_starts_at_zero(model_dir):
     policy, critic = load_causal_lm(model_dir), load_critic(model_dir)
     for name, param in policy.model.named_parameters():
         assert torch.equal(param, critic.model.get_parameter(name)), name
-    input_ids, attention_mask = _batch(tokenizer, ["Tom has 3 apples.", "Anna has 12 books. She sells 4."])
-    values = critic_values(critic, input_ids, attention_mask)
-    assert values.shape == input_ids.shape and values.dtype == torch.float32
+    batch = _rollout_batch(tokenizer, ["Tom has 3 apples.", "Anna has 12 books. She sells 4."], [" 3", " 8 #### 8"])
+    values = response_values(critic, batch)
+    assert values.shape == batch["response_ids"].shape and values.dtype == torch.float32
     assert torch.count_nonzero(values) == 0
 
 
-def test_critic_values_ignore_dropout_and_left_padding(model_dir):
+def test_response_values_are_the_critic_at_each_response_state_without_dropout_or_padding_effects(model_dir):
+    """values[:, t] = V(prompt + response[:t]), the same with or without left padding and in train mode."""
     tokenizer = load_tokenizer(model_dir)
     critic = load_critic(model_dir)
     torch.manual_seed(0)
     torch.nn.init.normal_(critic.score.weight)  # a trained-looking head, so values are not all zero
     short, long = "Tom has 3 apples.", "Anna has 12 books. She sells 4. How many books does Anna have now?"
-    input_ids, attention_mask = _batch(tokenizer, [short, long])
+    response = " She has 8. #### 8"
+    batch = _rollout_batch(tokenizer, [short, long], [response, response])
     critic.train()
-    values = critic_values(critic, input_ids, attention_mask)
-    assert torch.equal(values, critic_values(critic, input_ids, attention_mask))  # no dropout noise
+    values = response_values(critic, batch)
+    assert torch.equal(values, response_values(critic, batch))  # no dropout noise
     critic.eval()
-    alone_ids, alone_mask = _batch(tokenizer, [short])
-    alone = critic_values(critic, alone_ids, alone_mask)
-    num_pad = int((attention_mask[0] == 0).sum())
-    assert num_pad > 0
-    torch.testing.assert_close(values[0, num_pad:], alone[0], rtol=1e-4, atol=1e-4)
+    assert int((batch["prompt_mask"][0] == 0).sum()) > 0  # the short prompt is padded
+    prompt, answer = tokenizer.encode(short), tokenizer.encode(response)
+    alone = critic(input_ids=torch.tensor([prompt + answer])).logits[0, :, 0]  # (P + R,) one unpadded sequence
+    expected = alone[len(prompt) - 1:len(prompt) - 1 + len(answer)]  # the state before each response token
+    torch.testing.assert_close(values[0], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_critic_values_are_float32_for_a_bfloat16_critic(model_dir):
+def test_response_values_are_float32_for_a_bfloat16_critic(model_dir):
     tokenizer = load_tokenizer(model_dir)
     critic = load_critic(model_dir, "bfloat16")
     assert critic.score.weight.dtype == torch.bfloat16
-    input_ids, attention_mask = _batch(tokenizer, ["Tom has 3 apples."])
-    assert critic_values(critic, input_ids, attention_mask).dtype == torch.float32
+    assert response_values(critic, _rollout_batch(tokenizer, ["Tom has 3 apples."], [" 3"])).dtype == torch.float32
 
 
 def test_resolve_dtype():

@@ -27,12 +27,14 @@ import sys
 import pytest
 import torch
 
+from helpers import REPO, tiny_overrides
+
 import train
 from rlhf.config import load_config
 from rlhf.rewards.gsm8k import extract_ground_truth
 from rlhf.tracking import read_metrics
-from test_reliability import REPO, artifacts, one_thread  # noqa: F401  (fixtures)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 NUM_STEPS = 3
 NUM_VAL = 7  # odd: the ranks evaluate 4 and 3 problems
 EXACT = ["critic/score/mean", "critic/rewards/mean", "response_length/mean", "val/accuracy"]
@@ -66,16 +68,11 @@ def parity_score(response, ground_truth, method="strict"):
     return float(int(ground_truth) % 2 == 0)
 
 
-def overrides(artifacts, output_dir) -> list[str]:
-    return [
-        f"model.path={artifacts.model_dir}", f"data.train_files={artifacts.train_file}",
-        f"data.val_files={artifacts.val_file}", "data.max_response_length=16", "data.max_prompt_length=96",
-        "data.train_batch_size=8", "data.val_batch_size=8", f"data.max_val_samples={NUM_VAL}",
-        "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=2", "actor.ppo_epochs=2", "actor.lr=1e-3",
-        "critic.lr=1e-3", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+",
-        "rollout.top_k=1", "rollout.log_prob_micro_batch_size=4", f"trainer.total_steps={NUM_STEPS}",
-        "trainer.test_freq=0", "trainer.logger=none", f"trainer.output_dir={output_dir}",
-    ]
+def overrides(artifacts, output_dir, loss_agg_mode) -> list[str]:
+    return tiny_overrides(artifacts, output_dir, f"data.max_val_samples={NUM_VAL}", "actor.ppo_mini_batch_size=8",
+                          "actor.ppo_epochs=2", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true",
+                          "actor.kl_loss_type=k3+", f"actor.loss_agg_mode={loss_agg_mode}", "rollout.top_k=1",
+                          f"trainer.total_steps={NUM_STEPS}", "trainer.logger=none")
 
 
 def free_port() -> int:
@@ -84,7 +81,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch):  # noqa: F811
+# token-mean normalises by the global mini-batch's tokens, seq-mean-token-mean by its sequences.
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, loss_agg_mode):
     out2, record_dir = tmp_path / "two", tmp_path / "record"
     record_dir.mkdir()
     harness = tmp_path / "harness.py"
@@ -94,14 +93,14 @@ def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch):  # noqa
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(free_port())]  # = `accelerate launch ...` with this interpreter
-    result = subprocess.run([*launch, str(harness), *overrides(artifacts, out2)], cwd=REPO, env=env,
+    result = subprocess.run([*launch, str(harness), *overrides(artifacts, out2, loss_agg_mode)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "processes: 2" in result.stdout
 
     monkeypatch.setattr(train, "compute_score", parity_score)
     out1 = tmp_path / "one"
-    train.main(load_config(None, overrides(artifacts, out1)))
+    train.main(load_config(None, overrides(artifacts, out1, loss_agg_mode)))
 
     one, two = read_metrics(out1 / "metrics.jsonl"), read_metrics(out2 / "metrics.jsonl")
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(NUM_STEPS + 1))

@@ -22,48 +22,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import REPO, tiny_overrides
+
 import train
 from rlhf import core_algos
 from rlhf.checkpoint import latest_checkpoint, list_checkpoints
 from rlhf.config import load_config
-from rlhf.embedded import EmbeddedConfig, prepare_embedded_default
 from rlhf.tracking import read_metrics
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = EmbeddedConfig(num_train=64, num_val=16, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                      num_kv_heads=1, sft_steps=5, sft_batch_size=8)
 NUM_STEPS = 4
 NOT_COMPARED = ("timing_s/", "perf/throughput")  # wall-clock measurements
-
-
-@pytest.fixture(scope="session")
-def artifacts(tmp_path_factory):
-    """The tiny model and GSM8K-schema files, cached by config under one directory for all test files."""
-    return prepare_embedded_default(str(tmp_path_factory.getbasetemp() / "tiny-embedded"), TINY, log=lambda *a: None)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Single-threaded like the subprocesses (OMP_NUM_THREADS=1), so in- and out-of-process runs agree exactly;
-    on a shared 2-core machine it is also several times faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def overrides(artifacts, output_dir, *extra) -> list[str]:
-    return [
-        f"model.path={artifacts.model_dir}", f"data.train_files={artifacts.train_file}",
-        f"data.val_files={artifacts.val_file}", "data.max_response_length=16", "data.max_prompt_length=96",
-        "data.train_batch_size=8", "data.val_batch_size=8", "data.max_val_samples=8",
-        "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=2", "actor.ppo_epochs=2", "actor.lr=1e-3",
-        "critic.lr=1e-3", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+",
-        "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=100",
-        "rollout.log_prob_micro_batch_size=4", f"trainer.total_steps={NUM_STEPS}", "trainer.test_freq=2",
-        "trainer.save_freq=1", "trainer.max_ckpt_to_keep=3", "trainer.logger=none",
-        f"trainer.output_dir={output_dir}", "trainer.project_name=test", *extra,
-    ]
+    return tiny_overrides(artifacts, output_dir, "actor.ppo_epochs=2", "actor.entropy_coeff=0.01",
+                          "actor.use_kl_loss=true", "actor.kl_loss_type=k3+", "algorithm.kl_ctrl.type=adaptive",
+                          "algorithm.kl_ctrl.horizon=100", f"trainer.total_steps={NUM_STEPS}", "trainer.test_freq=2",
+                          "trainer.save_freq=1", "trainer.max_ckpt_to_keep=3", "trainer.logger=none", *extra)
 
 
 def run(artifacts, output_dir, *extra) -> list[dict]:
@@ -206,10 +182,31 @@ def test_a_kill_while_saving_leaves_nothing_that_resume_would_pick(artifacts, re
     assert_same_rows(run(artifacts, out, "trainer.resume_from=auto"), reference[1])
 
 
-def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_path, monkeypatch):
-    """A NaN loss at steps 2, 4 and 5: step 2 is skipped and the run goes on; 4 and 5 are two bad steps in a
-    row (trainer.max_bad_steps=2), so the run stops after 5 naming the checkpoint of step 3, the last one
-    written: no checkpoint is written during a run of bad steps."""
+class NaNGradient(torch.autograd.Function):
+    """The identity, whose gradient is NaN: a finite loss with a non-finite gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+NAN_LOSSES = {
+    "nan_value_and_gradient": lambda loss: loss * float("nan"),
+    "nan_value_only": lambda loss: loss + float("nan"),  # the constant adds nothing to the gradient
+    "nan_gradient_only": NaNGradient.apply,
+}
+
+
+@pytest.mark.parametrize("make_nan", NAN_LOSSES)
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_path, monkeypatch, make_nan):
+    """A NaN loss (or its gradient) at steps 2, 4 and 5: step 2 is skipped and the run goes on; 4 and 5 are two
+    bad steps in a row (trainer.max_bad_steps=2), so the run stops after 5 naming the checkpoint of step 3,
+    the last one written: no checkpoint is written during a run of bad steps. Either a non-finite loss value
+    or a non-finite gradient norm skips the update."""
     seen = {}
     original_prepare, original_update, original_loss = (train.prepare_data_and_models, train.ppo_update,
                                                          core_algos.policy_loss)
@@ -220,7 +217,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_pa
 
     def nan_loss(*args, **kwargs):
         loss, metrics = original_loss(*args, **kwargs)
-        return loss * float("nan"), metrics
+        return NAN_LOSSES[make_nan](loss), metrics
 
     def update(*args, **kwargs):
         with monkeypatch.context() as patch:

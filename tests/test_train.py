@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import embedded_overrides, tiny_overrides
+
 import train
 from rlhf.config import load_config
-from rlhf.embedded import EmbeddedConfig, prepare_embedded_default
 
 VERL_METRICS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
@@ -25,25 +26,6 @@ VERL_METRICS = [
     "timing_s/step", "perf/throughput",
 ]
 KL_PANEL = ["kl/k1", "kl/k2", "kl/k3", "kl/abs", "kl/full"]
-
-
-@pytest.fixture(scope="session")
-def tiny_artifacts(tmp_path_factory):
-    """A tiny warm-started model and GSM8K-schema JSONL files, written once per test session."""
-    cfg = EmbeddedConfig(num_train=64, num_val=16, hidden_size=32, intermediate_size=64, num_layers=1,
-                         num_heads=2, num_kv_heads=1, sft_steps=5, sft_batch_size=8)
-    return prepare_embedded_default(str(tmp_path_factory.mktemp("embedded")), cfg, log=lambda *a: None)
-
-
-def tiny_overrides(artifacts, output_dir, *extra):
-    return [
-        f"model.path={artifacts.model_dir}", f"data.train_files={artifacts.train_file}",
-        f"data.val_files={artifacts.val_file}", "data.max_response_length=16", "data.max_prompt_length=96",
-        "data.train_batch_size=8", "data.val_batch_size=8", "data.max_val_samples=8",
-        "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=2", "actor.lr=1e-3", "critic.lr=1e-3",
-        "rollout.log_prob_micro_batch_size=4", "trainer.total_steps=2", "trainer.test_freq=0",
-        f"trainer.output_dir={output_dir}", "trainer.project_name=test", *extra,
-    ]
 
 
 def run(artifacts, output_dir, *extra):
@@ -58,7 +40,7 @@ def weights(model):
 
 
 @pytest.mark.parametrize("placement", ["reward", "loss_k3+", "both_full"])
-def test_end_to_end_placements(tiny_artifacts, tmp_path, placement, monkeypatch):
+def test_end_to_end_placements(artifacts, tmp_path, placement, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     extra = {
         "reward": ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k1", "actor.use_kl_loss=false"],
@@ -67,7 +49,7 @@ def test_end_to_end_placements(tiny_artifacts, tmp_path, placement, monkeypatch)
                       "actor.kl_loss_type=full", "algorithm.kl_ctrl.type=adaptive"],
     }[placement]
     out = str(tmp_path / "run")
-    cfg, rows = run(tiny_artifacts, out, *extra)
+    cfg, rows = run(artifacts, out, *extra)
 
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert set(rows[0]) == {"step", "val/accuracy"}
@@ -106,13 +88,10 @@ def test_a_run_does_not_depend_on_whether_the_embedded_cache_existed(tmp_path, m
     """The same config twice: first building the embedded cache (which draws random numbers), then reading
     it. Every logged number of the two runs agrees (timings aside)."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    tiny_embedded = ["embedded.num_train=64", "embedded.num_val=16", "embedded.hidden_size=32",
-                     "embedded.intermediate_size=64", "embedded.num_layers=1", "embedded.num_heads=2",
-                     "embedded.num_kv_heads=1", "embedded.sft_steps=5", "embedded.sft_batch_size=8"]
     rows = []
     for name in ("cold", "warm"):
         embedded = SimpleNamespace(model_dir="embedded", train_file="embedded", val_file="embedded")
-        train.main(load_config(None, tiny_overrides(embedded, str(tmp_path / name), *tiny_embedded,
+        train.main(load_config(None, tiny_overrides(embedded, str(tmp_path / name), *embedded_overrides(),
                                                     f"trainer.cache_dir={tmp_path / 'cache'}", "trainer.logger=none")))
         with open(tmp_path / name / "metrics.jsonl") as f:
             rows.append([{k: v for k, v in json.loads(line).items() if not k.startswith(("timing_s", "perf"))}
@@ -120,7 +99,7 @@ def test_a_run_does_not_depend_on_whether_the_embedded_cache_existed(tmp_path, m
     assert len(rows[0]) == 3 and rows[0] == rows[1]
 
 
-def test_reference_is_frozen_during_training(tiny_artifacts, tmp_path, monkeypatch):
+def test_reference_is_frozen_during_training(artifacts, tmp_path, monkeypatch):
     """Wrap main()'s model loading to keep handles on the live actor and reference."""
     seen = {}
     original = train.prepare_data_and_models
@@ -134,7 +113,8 @@ def test_reference_is_frozen_during_training(tiny_artifacts, tmp_path, monkeypat
     monkeypatch.setattr(train, "prepare_data_and_models", spy)
     # An untrained model scores 0 and starts equal to the reference (all KL terms 0): the entropy bonus
     # is what gives the actor a gradient here.
-    run(tiny_artifacts, str(tmp_path / "run"), "trainer.logger=none", "actor.use_kl_loss=true",
+    run(artifacts, str(tmp_path / "run"), "trainer.logger=none", "actor.use_kl_loss=true",
         "actor.kl_loss_type=k2", "actor.entropy_coeff=0.1")
     assert torch.equal(weights(seen["ref"]), seen["ref_start"])
+    assert not any(p.requires_grad for p in seen["ref"].parameters())  # no gradient is ever kept for it
     assert not torch.equal(weights(seen["actor"]), seen["actor_start"])

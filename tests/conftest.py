@@ -1,0 +1,24 @@
+"""Shared fixtures: the tiny embedded model and data (see helpers.py), single-threaded runs."""
+
+import pytest
+import torch
+from helpers import TINY_EMBEDDED
+
+from rlhf.embedded import prepare_embedded_default
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory):
+    """The tiny warm-started model and GSM8K-schema JSONL files, written once per test session."""
+    return prepare_embedded_default(str(tmp_path_factory.getbasetemp() / "tiny-embedded"), TINY_EMBEDDED,
+                                    log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Single-threaded like the subprocesses (OMP_NUM_THREADS=1), so in- and out-of-process runs agree exactly;
+    on a shared 2-core machine it is also several times faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

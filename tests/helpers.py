@@ -1,0 +1,30 @@
+"""Constants and helpers shared by the tests (fixtures are in conftest.py)."""
+
+import os
+
+from rlhf.config import EmbeddedConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_YAML = os.path.join(REPO, "configs", "tiny.yaml")
+
+# The embedded default at test size: a 1-layer, 32-wide Qwen2 and 64 + 16 problems, 5 warm-start steps.
+TINY_EMBEDDED = EmbeddedConfig(num_train=64, num_val=16, hidden_size=32, intermediate_size=64, num_layers=1,
+                               num_heads=2, num_kv_heads=1, sft_steps=5, sft_batch_size=8)
+
+
+def embedded_overrides(embedded: EmbeddedConfig = TINY_EMBEDDED) -> list[str]:
+    """`embedded.*` overrides that make train.py build `embedded` itself (the notebook uses the same)."""
+    return [f"embedded.{key}={value}" for key, value in vars(embedded).items()
+            if value != getattr(EmbeddedConfig, key)]
+
+
+def tiny_overrides(artifacts, output_dir, *extra) -> list[str]:
+    """train.py overrides for a seconds-long run on the tiny model and files of `artifacts`."""
+    return [
+        f"model.path={artifacts.model_dir}", f"data.train_files={artifacts.train_file}",
+        f"data.val_files={artifacts.val_file}", "data.max_response_length=16", "data.max_prompt_length=96",
+        "data.train_batch_size=8", "data.val_batch_size=8", "data.max_val_samples=8",
+        "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=2", "actor.lr=1e-3", "critic.lr=1e-3",
+        "rollout.log_prob_micro_batch_size=4", "trainer.total_steps=2", "trainer.test_freq=0",
+        f"trainer.output_dir={output_dir}", "trainer.project_name=test", *extra,
+    ]

@@ -1,0 +1,335 @@
+"""The trainer's glue: rlhf/ppo.py by hand, and train.py's rollout and update against a reference.
+
+The reference (`reference_update`) is PPO written straight from the algorithm with the tested pieces
+(kl_penalty, compute_gae, masked_whiten, policy_loss, value_loss): whole mini-batches, no micro-batches,
+no accelerate, plain SGD. train.update, with SGD optimizers in place of AdamW (so that the weights after
+the update are a direct function of the gradients, which AdamW's first step is not), must reach the same
+weights. Deleting or altering any line of the glue that changes what is learned (the KL penalty in the
+rewards, the KL term or the entropy bonus in the loss, whitening, GAE's gamma/lambda, the micro-batch
+normalisers, the mini-batch order, clipping, zero_grad) makes the weights differ.
+"""
+
+import copy
+import threading
+
+import pytest
+import torch
+from accelerate import Accelerator
+from helpers import tiny_overrides
+
+import train
+from rlhf import core_algos, kl, ppo
+from rlhf.config import ActorConfig, load_config
+from rlhf.rewards.gsm8k import compute_score
+from rlhf.rollout import SamplingParams, generate, left_pad, logprobs_and_logits, response_values
+from rlhf.tracking import Timer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def in_processes(fn, shards):
+    """Run fn(shard, reduce_sum) in one thread per shard, with reduce_sum summing over the threads: the
+    cross-process reduction of N processes, in one test process. Returns each thread's result."""
+    barrier, slots, results = threading.Barrier(len(shards)), [None] * len(shards), [None] * len(shards)
+
+    def worker(rank):
+        def reduce_sum(tensor):
+            slots[rank] = tensor.clone()
+            barrier.wait()
+            total = sum(slots)
+            barrier.wait()
+            return total
+
+        results[rank] = fn(shards[rank], reduce_sum)
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(len(shards))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+# ----------------------------------------------------------------------------- rlhf/ppo.py by hand
+
+MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_token_rewards_put_the_score_last_and_the_kl_penalty_on_every_valid_token():
+    scores = torch.tensor([1.0, 0.0, 0.5])
+    kl_values = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.4, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]], requires_grad=True)
+    rewards = ppo.token_rewards(scores, MASK, kl_values, kl_coef=0.5)
+    expected = torch.tensor([[-0.05, -0.1, 1.0 - 0.15, 0.0],
+                             [-0.2, 0.0, 0.0, 0.0],
+                             [0.5, 0.0, 0.0, 0.0]])  # an empty response: score at 0, where GAE ignores it
+    torch.testing.assert_close(rewards, expected)
+    rewards.sum().backward()  # d reward / d kl: -coef on valid tokens, exactly 0 elsewhere
+    assert torch.equal(kl_values.grad, -0.5 * MASK.float())
+    torch.testing.assert_close(ppo.token_rewards(scores, MASK),  # no KL in the reward: the scores alone
+                               torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0] * 4, [0.5, 0.0, 0.0, 0.0]]))
+
+
+def test_sequence_mean_weights_every_response_once_over_all_processes():
+    values = torch.tensor([[1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    assert ppo.sequence_mean(values, mask) == pytest.approx(2.0)  # (1 + 3) / 2; the token mean is 7 / 5
+    assert core_algos.masked_mean(values, mask).item() == pytest.approx(1.4)
+    # Two processes holding one sequence each give the one-process answer.
+    shards = [(values[:1], mask[:1]), (values[1:], mask[1:])]
+    assert in_processes(lambda s, reduce_sum: ppo.sequence_mean(*s, reduce_sum), shards) == pytest.approx([2.0, 2.0])
+
+
+def test_whiten_over_processes_equals_whitening_the_whole_batch():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, generator=gen) * 3 + 1
+    mask = (torch.rand(6, 5, generator=gen) > 0.3).long()
+    whole = core_algos.masked_whiten(x, mask)
+    torch.testing.assert_close(ppo.whiten(x, mask), whole)
+    halves = in_processes(lambda s, reduce_sum: ppo.whiten(*s, reduce_sum), [(x[:2], mask[:2]), (x[2:], mask[2:])])
+    torch.testing.assert_close(torch.cat(halves), whole)
+    # Each process whitening alone would differ: the statistics are the batch's, not the shard's.
+    assert not torch.allclose(torch.cat([ppo.whiten(x[:2], mask[:2]), ppo.whiten(x[2:], mask[2:])]), whole)
+
+
+def test_token_weighted_means_weight_processes_by_their_tokens():
+    shards = [({"a": 1.0, "b": 10.0}, torch.tensor(1)), ({"a": 4.0, "b": 0.0}, torch.tensor(3))]
+    means = in_processes(lambda s, reduce_sum: ppo.token_weighted_means(*s, reduce_sum), shards)
+    assert means[0] == means[1] == pytest.approx({"a": (1 + 12) / 4, "b": 10 / 4})
+
+
+ESTIMATOR_GRAD = {  # d estimator / d logprob, with d = logprob - ref_logprob (docs/kl.md)
+    "k1": lambda d: torch.ones_like(d), "k2": lambda d: d, "k3": lambda d: 1 - torch.exp(-d),
+    "abs": torch.sign, "k3+": lambda d: d, "low_var_kl+": lambda d: d, "full": None,
+}
+
+
+@pytest.mark.parametrize("estimator", [*ESTIMATOR_GRAD, None])
+@pytest.mark.parametrize("entropy_coeff", [0.0, 0.3])
+def test_actor_loss_gradient_is_the_policy_gradient_plus_the_kl_and_entropy_terms(estimator, entropy_coeff):
+    """d loss / d logprobs = d pg_loss / d logprobs + coef * (the estimator's gradient) / num_tokens, and
+    d loss / d entropy = -entropy_coeff / num_tokens, on valid tokens only (token-mean)."""
+    gen = torch.Generator().manual_seed(1)
+    shape = (3, 4)
+    old = torch.randn(shape, generator=gen) - 2
+    ref = old + 0.5 * torch.randn(shape, generator=gen)  # |d| small: k3's clamp (gradient 0) stays out of it
+    logprobs = (old + 0.1 * torch.randn(shape, generator=gen)).requires_grad_()
+    advantages, mask = torch.randn(shape, generator=gen), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    entropy = torch.rand(shape, generator=gen).requires_grad_()
+    full = torch.rand(shape, generator=gen).requires_grad_()  # stands for kl.full_kl of the logits
+    cfg = ActorConfig(use_kl_loss=estimator is not None, kl_loss_type=estimator or "k1", kl_loss_coef=0.7,
+                      entropy_coeff=entropy_coeff)
+    loss, metrics = ppo.actor_loss(cfg, logprobs, old, advantages, mask, entropy, ref, full)
+    loss.backward()
+
+    pg_logprobs = logprobs.detach().requires_grad_()
+    pg_loss, _ = core_algos.policy_loss(old, pg_logprobs, advantages, mask, cfg.clip_ratio, cfg.clip_ratio_c)
+    pg_loss.backward()
+    num_tokens = mask.sum()
+    expected = pg_logprobs.grad.clone()
+    if estimator not in (None, "full"):
+        expected += 0.7 * ESTIMATOR_GRAD[estimator](logprobs.detach() - ref) * mask / num_tokens
+    torch.testing.assert_close(logprobs.grad, expected)
+    torch.testing.assert_close(entropy.grad if entropy_coeff else torch.zeros(shape),
+                               -entropy_coeff * mask / num_tokens)
+    if estimator == "full":
+        torch.testing.assert_close(full.grad, 0.7 * mask / num_tokens)
+    assert ("actor/kl_loss" in metrics) == (estimator is not None)
+    if estimator is not None:
+        value = full if estimator == "full" else kl.kl_penalty(logprobs.detach(), ref, estimator)
+        assert metrics["actor/kl_loss"] == pytest.approx(core_algos.masked_mean(value.detach(), mask).item())
+
+
+def test_minibatches_cover_the_batch_once_per_epoch_in_an_order_fixed_by_seed_and_step():
+    epochs = ppo.minibatches(8, 4, num_epochs=3, seed=7, step=5)
+    assert len(epochs) == 6 and all(len(index) == 4 for index in epochs)
+    for e in range(3):
+        assert sorted(torch.cat(epochs[2 * e:2 * e + 2]).tolist()) == list(range(8))
+    assert [i.tolist() for i in epochs] == [i.tolist() for i in ppo.minibatches(8, 4, 3, seed=7, step=5)]
+    assert [i.tolist() for i in epochs] != [i.tolist() for i in ppo.minibatches(8, 4, 3, seed=7, step=6)]
+    assert epochs[0].tolist() != epochs[2].tolist()  # a fresh permutation per epoch
+
+
+def test_process_share_splits_the_global_batch_in_order():
+    indices = [5, 3, 9, 1, 0, 2]
+    assert [ppo.process_share(indices, rank, 3) for rank in range(3)] == [[5, 3], [9, 1], [0, 2]]
+    assert ppo.process_share(indices, 0, 1) == indices
+
+
+def test_when_to_evaluate_and_checkpoint():
+    assert [s for s in range(1, 11) if ppo.should_evaluate(s, 10, test_freq=4)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if ppo.should_evaluate(s, 10, test_freq=0)] == [10]
+    assert [s for s in range(1, 11) if ppo.should_checkpoint(s, 10, 3, stopping=False, bad_steps=0)] == [3, 6, 9, 10]
+    assert [s for s in range(1, 11) if ppo.should_checkpoint(s, 10, 0, stopping=False, bad_steps=0)] == [10]
+    assert ppo.should_checkpoint(4, 10, 0, stopping=True, bad_steps=0)
+    assert not ppo.should_checkpoint(6, 10, 3, stopping=False, bad_steps=1)  # not during a run of bad steps
+    assert ppo.should_checkpoint(10, 10, 3, stopping=False, bad_steps=1) and ppo.should_checkpoint(5, 10, 3, True, 2)
+
+
+# ----------------------------------------------------------------------------- train.py against the reference
+
+CASES = {
+    # reward KL with an adaptive coefficient, k3+ in the loss, entropy bonus, token-mean
+    "reward_k1+loss_k3+": ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k1", "actor.use_kl_loss=true",
+                           "actor.kl_loss_type=k3+", "actor.entropy_coeff=0.05", "algorithm.kl_ctrl.type=adaptive",
+                           "algorithm.kl_ctrl.horizon=40", "algorithm.kl_ctrl.target_kl=0.01"],
+    # the exact KL in both places, per-sequence loss normalisation
+    "full_both": ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=full", "actor.use_kl_loss=true",
+                  "actor.kl_loss_type=full", "actor.loss_agg_mode=seq-mean-token-mean", "actor.grad_clip=0.05"],
+    # k3 in the loss only, Dr. GRPO's constant normaliser, no clipping (it would hide the normaliser's scale)
+    "loss_k3": ["algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true", "actor.kl_loss_type=k3",
+                "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.grad_clip=1e6", "critic.grad_clip=1e6"],
+}
+COMMON = ["algorithm.gamma=0.9", "algorithm.lam=0.8", "algorithm.kl_ctrl.kl_coef=0.5", "actor.kl_loss_coef=0.5",
+          "actor.ppo_epochs=2", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=2",
+          "rollout.temperature=0.7", "rollout.log_prob_micro_batch_size=3", "trainer.logger=none"]
+LR = 0.05
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def weights(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.fixture
+def setup_run(artifacts, tmp_path):
+    """A config, an accelerator, the trainer's models and a rollout batch with non-trivial scores. The actor is
+    perturbed so that it differs from the reference (else every KL is 0), and the critic's head so that the
+    values are not all 0 (else GAE could not tell gamma from lambda, nor value clipping act)."""
+
+    def make(*extra):
+        cfg = load_config(None, tiny_overrides(artifacts, str(tmp_path), *COMMON, *extra))
+        accelerator = Accelerator(cpu=True)
+        tokenizer, train_set, _, actor, critic, ref = train.prepare_data_and_models(cfg, accelerator)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in actor.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+            critic.score.weight.normal_(std=0.1)
+        rows = train_set[list(range(cfg.data.train_batch_size))]
+        batch = train.rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, Timer())
+        batch["scores"] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])  # the tiny model scores 0
+        return cfg, accelerator, (actor, critic, ref), tokenizer, rows, batch
+
+    return make
+
+
+def reference_update(cfg, actor, critic, ref, batch, kl_coef: float, step: int):
+    """PPO from the algorithm: rewards -> GAE -> whitening -> per mini-batch, loss, backward, clip, SGD step."""
+    a, ac, temperature = cfg.algorithm, cfg.actor, cfg.rollout.temperature
+    mask, old, ref_lp = batch["response_mask"], batch["old_logprobs"], batch["ref_logprobs"]
+    rewards = torch.zeros_like(old)
+    rewards[torch.arange(len(mask)), mask.sum(1) - 1] = batch["scores"]
+    if a.use_kl_in_reward:
+        reward_kl = batch["full_kl"] if a.kl_penalty == "full" else kl.kl_penalty(old, ref_lp, a.kl_penalty)
+        rewards = rewards - kl_coef * reward_kl * mask
+    advantages, returns = core_algos.compute_gae(rewards, batch["values"], mask, a.gamma, a.lam)
+    advantages = core_algos.masked_whiten(advantages, mask)
+    actor_opt, critic_opt = sgd(actor), sgd(critic)
+    for index in ppo.minibatches(len(mask), ac.ppo_mini_batch_size, ac.ppo_epochs, cfg.trainer.seed, step):
+        mb = {k: v[index] for k, v in batch.items()}
+        m = mb["response_mask"]
+        logprobs, logits = logprobs_and_logits(actor, mb, temperature)
+        loss = core_algos.policy_loss(mb["old_logprobs"], logprobs, advantages[index], m, ac.clip_ratio,
+                                      ac.clip_ratio_c, ac.loss_agg_mode)[0]
+        loss = loss - ac.entropy_coeff * core_algos.agg_loss(core_algos.entropy_from_logits(logits, temperature), m,
+                                                             ac.loss_agg_mode)
+        if ac.use_kl_loss:
+            if ac.kl_loss_type == "full":
+                kl_mat = kl.full_kl(logits, logprobs_and_logits(ref, mb, temperature)[1].detach(), temperature)
+            else:
+                kl_mat = kl.kl_penalty(logprobs, mb["ref_logprobs"], ac.kl_loss_type)
+            loss = loss + ac.kl_loss_coef * core_algos.agg_loss(kl_mat, m, ac.loss_agg_mode)
+        vf_loss = core_algos.value_loss(response_values(critic, mb), mb["values"], returns[index], m,
+                                        cfg.critic.cliprange_value, ac.loss_agg_mode)[0]
+        for model, opt, objective, clip in ((actor, actor_opt, loss, ac.grad_clip),
+                                            (critic, critic_opt, vf_loss, cfg.critic.grad_clip)):
+            objective.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_update_reaches_the_weights_of_the_reference_ppo(setup_run, case):
+    cfg, accelerator, models, _, _, batch = setup_run(*CASES[case])
+    actor, critic, ref = models
+    expected_actor, expected_critic = copy.deepcopy(actor), copy.deepcopy(critic)
+    kl_ctrl = kl.build_kl_controller(cfg.algorithm.kl_ctrl.type, 0.5, cfg.algorithm.kl_ctrl.target_kl,
+                                     cfg.algorithm.kl_ctrl.horizon)
+    reference_update(cfg, expected_actor, expected_critic, ref, dict(batch), kl_ctrl.value, step=3)
+
+    start = weights(actor), weights(critic)
+    actor_opt, critic_opt = sgd(actor), sgd(critic)
+    prepared = accelerator.prepare(actor, critic, actor_opt, critic_opt)
+    metrics, skipped = train.update(cfg, accelerator, (prepared[0], prepared[1], ref), prepared[2:], dict(batch),
+                                    kl_ctrl, step=3, timer=Timer())
+
+    assert skipped == 0
+    for model, expected, before in ((actor, expected_actor, start[0]), (critic, expected_critic, start[1])):
+        moved = (weights(expected) - before).abs().max().item()
+        assert moved > 1e-4  # ~100x the tolerance, so the comparison means something
+        torch.testing.assert_close(weights(model), weights(expected), rtol=1e-5, atol=1e-6)
+
+    if cfg.algorithm.use_kl_in_reward:
+        old, ref_lp, mask = batch["old_logprobs"], batch["ref_logprobs"], batch["response_mask"]
+        reward_kl = batch["full_kl"] if cfg.algorithm.kl_penalty == "full" else kl.kl_penalty(old, ref_lp, "k1")
+        per_sequence = [reward_kl[i, mask[i].bool()].mean().item() for i in range(len(mask))]
+        current = sum(per_sequence) / len(per_sequence)
+        assert current > 0 and metrics["actor/reward_kl_penalty"] == pytest.approx(current, rel=1e-5)
+        if cfg.algorithm.kl_ctrl.type == "adaptive":  # Ziegler et al.: one update with n_steps = prompts per step
+            error = min(max(current / 0.01 - 1, -0.2), 0.2)
+            assert kl_ctrl.value == pytest.approx(0.5 * (1 + error * cfg.data.train_batch_size / 40), rel=1e-6)
+            assert kl_ctrl.value != 0.5
+
+
+def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup_run):
+    """Old and reference log-probs, the exact KL and the values of the whole batch (here computed in chunks of
+    3 of 8), and the scores of the decoded responses; the tokens are those `generate` samples with the
+    configured temperature from the same seed."""
+    cfg, accelerator, (actor, critic, ref), tokenizer, rows, _ = setup_run("algorithm.use_kl_in_reward=true")
+    torch.manual_seed(123)
+    batch = train.rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, Timer())
+    torch.manual_seed(123)
+    prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
+    sampled = generate(actor, tokenizer, prompt_ids, prompt_mask, SamplingParams(16, temperature=0.7))
+    assert torch.equal(batch["response_ids"], sampled["response_ids"])
+
+    with torch.no_grad():
+        logprobs, logits = logprobs_and_logits(actor, batch, 0.7)
+        ref_logprobs, ref_logits = logprobs_and_logits(ref, batch, 0.7)
+        torch.testing.assert_close(batch["old_logprobs"], logprobs)
+        torch.testing.assert_close(batch["ref_logprobs"], ref_logprobs)
+        torch.testing.assert_close(batch["full_kl"], kl.full_kl(logits, ref_logits, 0.7))
+        torch.testing.assert_close(batch["values"], response_values(critic, batch))
+    assert not torch.allclose(batch["old_logprobs"], logprobs_and_logits(actor, batch, 1.0)[0])
+    texts = tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True)
+    assert batch["scores"].tolist() == [compute_score(t, g) for t, g in zip(texts, rows["ground_truth"])]
+
+
+def test_batch_metrics_are_the_batch_numbers(setup_run):
+    cfg, accelerator, _, tokenizer, _, batch = setup_run()
+    mask = batch["response_mask"]
+    batch["token_rewards"] = ppo.token_rewards(batch["scores"], mask, torch.full(mask.shape, 0.1), 1.0)
+    batch["returns"] = batch["values"] + 1
+    metrics = train.batch_metrics(cfg, accelerator, batch, tokenizer.eos_token_id)
+    lengths = mask.sum(1).float()
+    assert metrics["critic/score/mean"] == pytest.approx(0.5)
+    assert metrics["critic/rewards/mean"] == pytest.approx((batch["scores"] - 0.1 * lengths).mean().item(), rel=1e-5)
+    assert metrics["response_length/mean"] == pytest.approx(lengths.mean().item())
+    assert metrics["kl/full"] == pytest.approx(core_algos.masked_mean(batch["full_kl"], mask).item(), rel=1e-5)
+    d = batch["old_logprobs"] - batch["ref_logprobs"]
+    assert metrics["kl/k1"] == pytest.approx(core_algos.masked_mean(d, mask).item(), rel=1e-5)
+    assert metrics["kl/full"] > 0
+
+
+def test_optimizers_take_each_models_settings(setup_run):
+    cfg, _, (actor, critic, _), *_ = setup_run("actor.lr=3e-4", "critic.lr=2e-3", "actor.weight_decay=0.1",
+                                               "critic.weight_decay=0.01")
+    actor_opt, critic_opt = train.build_optimizers(cfg, actor, critic)
+    assert [(g["lr"], g["weight_decay"]) for g in actor_opt.param_groups] == [(3e-4, 0.1)]
+    assert [(g["lr"], g["weight_decay"]) for g in critic_opt.param_groups] == [(2e-3, 0.01)]
+    assert actor_opt.param_groups[0]["params"] == list(actor.parameters())
+    assert critic_opt.param_groups[0]["params"] == list(critic.parameters())
