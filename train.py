@@ -64,12 +64,17 @@ class Setup:
 def setup(cfg: Config, accelerator: Accelerator) -> Setup:
     """Data, models (loaded through the hub code path), optimizers, sampler and KL controller."""
     tokenizer, train_set, val_set, actor, critic, ref = prepare_data_and_models(cfg, accelerator)
-    # Seeded after the models load: building the embedded cache (or not, when it exists) draws random
-    # numbers, and the run must not depend on whether it did. Seed + process index: ranks sample differently.
-    set_seed(cfg.trainer.seed, device_specific=True)
     accelerator.print(f"train prompts: {len(train_set)}, held-out: {len(val_set)}, "
                       f"actor parameters: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M, "
                       f"processes: {accelerator.num_processes}, device: {accelerator.device}")
+    return build_setup(cfg, accelerator, tokenizer, train_set, val_set, actor, critic, ref)
+
+
+def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val_set, actor, critic, ref) -> Setup:
+    """Everything after loading: seed, optimizers, accelerate's wrapping, sampler, KL controller."""
+    # Seeded after the models load: building the embedded cache (or not, when it exists) draws random
+    # numbers, and the run must not depend on whether it did. Seed + process index: ranks sample differently.
+    set_seed(cfg.trainer.seed, device_specific=True)
     actor_opt, critic_opt = build_optimizers(cfg, actor, critic)
     actor, critic, actor_opt, critic_opt = accelerator.prepare(actor, critic, actor_opt, critic_opt)
     if ref is not None:
@@ -104,17 +109,23 @@ def prepare_data_and_models(cfg: Config, accelerator: Accelerator):
         accelerator.print(f"filtered prompts longer than data.max_prompt_length={cfg.data.max_prompt_length}: "
                           f"{dropped_train} train, {dropped_val} held-out")
 
+    return (tokenizer, train_set, val_set, *load_models(cfg, model_path))
+
+
+def load_models(cfg: Config, model_path: str):
+    """(actor, critic, ref) in eval mode (no dropout: old and new log-probs must come from the same
+    function); the reference frozen, or None when no KL is computed."""
     actor = load_causal_lm(model_path, cfg.model.dtype)
     critic = load_critic(cfg.model.critic_path or model_path, cfg.model.dtype)
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.trainer.log_kl_panel
     ref = load_causal_lm(model_path, cfg.model.ref_dtype or cfg.model.dtype) if need_ref else None
     for model in (actor, critic):
-        model.eval()  # no dropout: old and new log-probs must come from the same function
+        model.eval()
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
     if ref is not None:
         ref.eval().requires_grad_(False)
-    return tokenizer, train_set, val_set, actor, critic, ref
+    return actor, critic, ref
 
 
 def build_optimizers(cfg: Config, actor, critic):
@@ -127,9 +138,15 @@ def build_optimizers(cfg: Config, actor, critic):
 
 
 def mean_over_processes(accelerator, metrics: dict) -> dict[str, float]:
-    """Per-process numbers (floats or 0-dim tensors) -> their mean over processes, in one all-reduce."""
+    """Per-process numbers (floats or 0-dim tensors) -> their mean over processes (the maximum for keys
+    ending in /max)."""
     stacked = torch.tensor([float(v) for v in metrics.values()], dtype=torch.float32, device=accelerator.device)
-    return dict(zip(metrics, accelerator.reduce(stacked, "mean").tolist()))
+    reduced = accelerator.reduce(stacked, "mean")
+    if any(key.endswith("/max") for key in metrics):
+        maxima = accelerator.gather(stacked[None]).amax(dim=0)
+        reduced = torch.where(torch.tensor([key.endswith("/max") for key in metrics], device=reduced.device),
+                              maxima, reduced)
+    return dict(zip(metrics, reduced.tolist()))
 
 
 def sum_over_processes(accelerator):
@@ -264,7 +281,8 @@ def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, t
                     skipped += 1
                 opt.zero_grad(set_to_none=True)
             records[f"{name}/grad_norm"].append(grad_norm.item())
-    return {key: sum(values) / len(values) for key, values in records.items()}, skipped
+    return {key: max(values) if key.endswith("/max") else sum(values) / len(values)
+            for key, values in records.items()}, skipped
 
 
 def micro_actor_loss(cfg: Config, actor, ref, micro, agg) -> tuple[torch.Tensor, dict[str, float]]:

@@ -19,8 +19,8 @@ TRL cannot score by rule, so it also gets a reward model of the same size and ru
 step; our side scores GSM8K by rule and skips that pass. The output says so.
 The policy is left at its random init: it rarely samples EOS, so no side could stop generating early
 even if it tried. One step of TRL and of ours is checked before timing: exactly 64 decoding steps
-(forward passes inside the generation call: TRL's `generate`, our decoding loop) and 2 optimizer steps per
-optimizer.
+(forward passes inside the generation call: TRL's `generate`, our timer's "gen" phase) and 2 optimizer
+steps per optimizer.
 
 How each side is timed, all in this one process, interleaved round by round (the order rotates every
 round) after warm-up, medians over `--iters` rounds:
@@ -28,7 +28,10 @@ round) after warm-up, medians over `--iters` rounds:
   the time from `on_train_begin` to `on_train_end`, i.e. exactly one iteration of TRL's training loop
   (data loading, rollout, reward model, GAE, PPO update, its logging and its gc.collect()).
   The per-call set-up before `on_train_begin` (a few small tensors) is not counted, in TRL's favour.
-- ours: the wall time of `train.train_step(...)`, and its own per-phase timer.
+- ours: the wall time of `train.train_step(...)` on the trainer's own set-up (`train.load_models` and
+  `train.build_setup` on the workload's prompts), and its per-phase timer: a `PhaseTimer` (a subclass of
+  `rlhf.tracking.Timer`, passed into `train_step`) that synchronises with the GPU before each phase's time
+  is taken, opens a profiler range per phase and counts the actor's forwards while generating.
 - "ours, estimator only": the same with `trainer.log_kl_panel=false`, for the KL panel's cost.
 - floor: sampling with a bare KV-cache loop (one forward per token, `torch.multinomial`); reference,
   old-policy and critic forwards without grad; two mini-batches of actor and critic forward+backward with
@@ -66,6 +69,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 import torch  # noqa: E402
+
+from rlhf.tracking import Timer  # noqa: E402  (the trainer's timer, which PhaseTimer extends)
 
 NUM_PROMPTS = 32
 PROMPT_WIDTH = 48
@@ -139,8 +144,8 @@ def load_workload(workdir: str):
 
 @contextlib.contextmanager
 def count_decode_steps(owner, name: str, model, counts: list[int]):
-    """Inside the block, every call of the generation function `owner.<name>` (TRL: `policy.generate`;
-    ours: `train.generate`, our decoding loop) appends how many forward passes of `model` it ran."""
+    """Inside the block, every call of the generation function `owner.<name>` (TRL's `policy.generate`)
+    appends how many forward passes of `model` it ran. (Ours: `PhaseTimer` counts them.)"""
     original = getattr(owner, name)
 
     def counted(*args, **kwargs):
@@ -160,8 +165,8 @@ def count_decode_steps(owner, name: str, model, counts: list[int]):
 
 
 class GenerationClock:
-    """Wraps the generation function `owner.<name>` (TRL: `policy.generate`; ours: `train.generate`) so
-    that `seconds` accumulates its wall time, synchronised with the GPU: generated tokens per second."""
+    """Wraps the generation function `owner.<name>` (TRL's `policy.generate`) so that `seconds` accumulates
+    its wall time, synchronised with the GPU: generated tokens per second. (Ours: `PhaseTimer`'s "gen".)"""
 
     def __init__(self, owner, name: str):
         self.seconds = 0.0
@@ -298,8 +303,38 @@ def our_config(workdir: str, log_kl_panel: bool):
     return load_config(None, overrides)
 
 
+class PhaseTimer(Timer):
+    """The trainer's timer (`with timer(name): ...`, `seconds`), passed into `train.train_step`, with what the
+    benchmark needs around each phase: a profiler range `phase/<name>`, a GPU synchronisation before the
+    phase's time is taken (so "gen" is the synchronised generation time), and, during "gen", a count of the
+    forward passes of `model` (the unwrapped actor) appended to `decode_steps`."""
+
+    def __init__(self, model=None):
+        super().__init__()
+        self.model = model
+        self.decode_steps: list[int] = []
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        from torch.profiler import record_function
+
+        calls = [0]
+        handle = None
+        if name == "gen" and self.model is not None:
+            handle = self.model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        try:
+            with record_function(f"phase/{name}"), super().__call__(name):
+                yield
+                sync()
+        finally:
+            if handle is not None:
+                handle.remove()
+                self.decode_steps.append(calls[0])
+
+
 class OursSide:
-    """Our trainer's step, set up as `train.main` sets it up; `step()` runs `train.train_step` once."""
+    """Our trainer's step on the trainer's own set-up (`train.load_models`, `train.build_setup`: seed, AdamW
+    optimizers, accelerate, prompt sampler, KL controller); `step()` runs `train.train_step` once."""
 
     name = "ours train_step"
 
@@ -307,62 +342,45 @@ class OursSide:
         from accelerate import Accelerator
         from datasets import Dataset
 
-        from rlhf import kl
-        from rlhf.models import load_causal_lm, load_critic
-        from rlhf.sampler import PromptSampler
-        from train import build_optimizers
+        from train import build_setup, load_models
 
         self.cfg_panel, self.cfg_minimal = our_config(workdir, True), our_config(workdir, False)
         cfg = self.cfg_panel
-        model_dir, self.tokenizer, prompts = load_workload(workdir)
-        torch.manual_seed(SEED)
+        model_dir, tokenizer, prompts = load_workload(workdir)
         self.accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision)
-        actor, critic = load_causal_lm(model_dir), load_critic(model_dir)
-        ref = load_causal_lm(model_dir).eval().requires_grad_(False)
-        actor.eval(), critic.eval()
-        actor_opt, critic_opt = build_optimizers(cfg, actor, critic)  # the trainer's own
-        actor, critic, actor_opt, critic_opt = self.accelerator.prepare(actor, critic, actor_opt, critic_opt)
-        self.models, self.optimizers = (actor, critic, ref.to(self.accelerator.device)), (actor_opt, critic_opt)
-        self.train_set = Dataset.from_dict(prompts)
-        self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, cfg.trainer.seed)
-        kc = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
+        train_set = Dataset.from_dict(prompts)  # input_ids (already tokenized) and ground_truth
+        self.run = build_setup(cfg, self.accelerator, tokenizer, train_set, None, *load_models(cfg, model_dir))
+        self.models, self.optimizers = self.run.models, self.run.optimizers
+        self.actor = self.accelerator.unwrap_model(self.models[0])  # what the decoding loop calls
         self.num_steps = 0
-        import train
-
-        self.gen_clock = GenerationClock(train, "generate")
 
     def describe(self) -> str:
         opt = self.optimizers[0].optimizer
         return (f"{type(opt).__name__}(fused={opt.defaults.get('fused')}, foreach={opt.defaults.get('foreach')}) "
                 "x2 (actor, critic); rollout.ignore_eos=true")
 
-    def step(self, log_kl_panel: bool = True) -> dict[str, float]:
-        from train import Timer, train_step
+    def step(self, log_kl_panel: bool = True, timer: PhaseTimer | None = None) -> dict[str, float]:
+        from train import train_step
 
-        timer = Timer()
+        timer = timer or PhaseTimer(self.actor)
         self.num_steps += 1
-        self.gen_clock.seconds = 0.0
         start = time.perf_counter()
         metrics, _, _ = train_step(self.cfg_panel if log_kl_panel else self.cfg_minimal, self.accelerator,
-                                   self.models, self.optimizers, self.tokenizer, self.train_set, self.sampler,
-                                   self.kl_ctrl, self.num_steps, timer)
+                                   self.run, self.num_steps, timer)
         sync()
         seconds = time.perf_counter() - start
         self.last_metrics = metrics
-        return {"step": seconds, **timer.seconds, "gen_synced": self.gen_clock.seconds}
+        return {"step": seconds, **timer.seconds, "gen_synced": timer.seconds["gen"]}
 
     def check(self) -> None:
         """One step that must sample exactly RESPONSE_LENGTH tokens, take 2 optimizer steps per model and
         log the whole KL panel."""
-        import train
-
-        decode_steps, optimizer_steps = [], []
-        actor = self.accelerator.unwrap_model(self.models[0])
-        with count_decode_steps(train, "generate", actor, decode_steps), \
-                count_optimizer_steps([opt.optimizer for opt in self.optimizers], optimizer_steps):
-            self.step()
-        assert decode_steps == [RESPONSE_LENGTH], f"ours ran {decode_steps} decoding steps, not [{RESPONSE_LENGTH}]"
+        optimizer_steps = []
+        timer = PhaseTimer(self.actor)
+        with count_optimizer_steps([opt.optimizer for opt in self.optimizers], optimizer_steps):
+            self.step(timer=timer)
+        assert timer.decode_steps == [RESPONSE_LENGTH], \
+            f"ours ran {timer.decode_steps} decoding steps, not [{RESPONSE_LENGTH}]"
         assert optimizer_steps == [NUM_PROMPTS // MINI_BATCH] * 2, f"ours took {optimizer_steps} optimizer steps"
         missing = [f"kl/{n}" for n in ("k1", "k2", "k3", "abs", "full") if f"kl/{n}" not in self.last_metrics]
         assert not missing, f"the KL panel lacks {missing}"
@@ -407,8 +425,10 @@ class FloorSide:
 
     def _sample(self):
         """(B, P+R): RESPONSE_LENGTH tokens sampled through the KV cache, one forward per token."""
+        from rlhf.rollout import position_ids_from_mask
+
         ids, mask = self.prompt_ids, self.prompt_mask
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        positions = position_ids_from_mask(mask)
         out = self.actor(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1)
         tokens = []
@@ -439,13 +459,15 @@ class FloorSide:
         return {"step": clock[-1] - clock[0], **seconds}
 
     def _passes(self, lap) -> None:
+        from rlhf.rollout import position_ids_from_mask
+
         with torch.no_grad():
             sequences = self._sample()  # (B, P+R)
             lap("gen")
             response_ids = sequences[:, self.prompt_ids.shape[1]:]  # (B, R)
             attention_mask = torch.cat([self.prompt_mask, torch.ones_like(response_ids)], dim=1)
             inputs = dict(input_ids=sequences, attention_mask=attention_mask,
-                          position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0))
+                          position_ids=position_ids_from_mask(attention_mask))
             self._logprobs(self.actor, inputs, response_ids)
             lap("old_log_prob")
             self._logprobs(self.ref, inputs, response_ids)
@@ -509,25 +531,12 @@ def measure_memory(side_name: str, workdir: str, threads: int) -> dict[str, floa
 @contextlib.contextmanager
 def phase_ranges(side):
     """Profiler ranges named `phase/<name>` around the phases of a side's step, so that the profile can
-    be read per phase. Ours: the trainer's timer. TRL: its module-level helpers (generation, forwards,
-    reward/value model passes), which its training loop looks up at call time."""
+    be read per phase. Ours: nothing to do, `PhaseTimer` opens one per phase of the trainer's timer. TRL:
+    its module-level helpers (generation, forwards, reward/value model passes), which its training loop
+    looks up at call time."""
     from torch.profiler import record_function
 
-    if isinstance(side, (OursSide, OursMinimal)):
-        import train
-
-        class RangedTimer(train.Timer):
-            @contextlib.contextmanager
-            def __call__(self, name: str):
-                with record_function(f"phase/{name}"), super().__call__(name):
-                    yield
-
-        original, train.Timer = train.Timer, RangedTimer
-        try:
-            yield
-        finally:
-            train.Timer = original
-    elif isinstance(side, TRLSide):
+    if isinstance(side, TRLSide):
         from trl.experimental.ppo import ppo_trainer
 
         def ranged(fn, label):
@@ -548,7 +557,7 @@ def phase_ranges(side):
         finally:
             for name, fn in originals.items():
                 setattr(ppo_trainer, name, fn)
-    else:  # the floor: no named phases inside; the profile is of the whole step
+    else:  # ours: PhaseTimer's ranges; the floor: no named phases inside, the profile is of the whole step
         yield
 
 
@@ -609,7 +618,11 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()  # load reports of the freshly initialised value heads
     transformers.logging.disable_progress_bar()
-    from train import Timer  # noqa: F401  (fail here, not mid-benchmark, if the trainer does not import)
+    import train  # fail here, not mid-benchmark, if the trainer does not import or lacks what the bench calls
+
+    missing = [name for name in ("load_models", "build_setup", "train_step") if not hasattr(train, name)]
+    if missing:
+        sys.exit(f"train.py lacks {', '.join(missing)}, which the benchmark calls")
 
     if args.memory_child:
         print(json.dumps(measure_memory_child(args.memory_child, args.workdir)))
