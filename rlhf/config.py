@@ -98,6 +98,7 @@ class ActorConfig:
     use_kl_loss: bool = False  # add kl_loss_coef * agg(kl(logprobs, ref_logprobs)) to the actor loss
     kl_loss_type: str = "low_var_kl"  # estimator for the loss (verl's default; see the KL table)
     kl_loss_coef: float = 0.001  # weight of the KL loss
+    kl_loss_off_policy_correction: bool = False  # weight the KL loss by rho = pi/pi_old (exact after the first optimizer step; docs/kl.md)
 
 
 @dataclass
@@ -224,12 +225,14 @@ def from_dict(raw: dict[str, Any]) -> Config:
 
 def kl_tags(cfg: Config) -> list[str]:
     """Where the KL is and which estimator, e.g. ["reward:k1", "loss:k3+"], or ["no-kl"]: the run's wandb
-    tags, and joined by " + " its label in rlhf.compare and the sweep."""
+    tags, and joined by " + " its label in rlhf.compare and the sweep. A KL loss with the off-policy
+    correction is `loss-corrected:<estimator>`."""
     tags = []
     if cfg.algorithm.use_kl_in_reward:
         tags.append(f"reward:{cfg.algorithm.kl_penalty}")
     if cfg.actor.use_kl_loss:
-        tags.append(f"loss:{cfg.actor.kl_loss_type}")
+        placement = "loss-corrected" if cfg.actor.kl_loss_off_policy_correction else "loss"
+        tags.append(f"{placement}:{cfg.actor.kl_loss_type}")
     return tags or ["no-kl"]
 
 

@@ -240,8 +240,8 @@ def policy_loss(
 
     `agg_kwargs` (num_tokens, num_seqs, norm_len) go to `agg_loss`. Metrics: `actor/pg_loss`,
     `actor/pg_clipfrac` (fraction of valid tokens where the clipped term was taken), `actor/ppo_kl` (mean
-    of old_logprobs - logprobs, the k1 estimate of KL(old || new)) and `actor/pg_clipfrac_lower` (fraction
-    where the dual clip was taken).
+    of old_logprobs - logprobs, the k1 estimate of KL(old || new)), `actor/pg_clipfrac_lower` (fraction
+    where the dual clip was taken) and `actor/importance_ratio/mean|max` (of the ratio over valid tokens).
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
@@ -263,6 +263,9 @@ def policy_loss(
             "actor/pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask).item(),
             "actor/ppo_kl": masked_mean(old_logprobs.float() - logprobs.float(), response_mask).item(),
             "actor/pg_clipfrac_lower": masked_mean(dual_clipped.float(), response_mask).item(),
+            # rho = pi/pi_old: how far off-policy this update's tokens are (1 on the first mini-batch)
+            "actor/importance_ratio/mean": masked_mean(ratio, response_mask).item(),
+            "actor/importance_ratio/max": torch.where(response_mask.bool(), ratio, 0.0).max().item(),
         }
     return loss, metrics
 

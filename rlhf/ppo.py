@@ -84,13 +84,15 @@ def token_weighted_means(local_means: dict[str, float], num_tokens: torch.Tensor
 
 
 def kl_per_token(estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                 full_kl: torch.Tensor | None = None) -> torch.Tensor:
-    """The configured estimator per token, (B, R); `full` is the exact KL computed from the logits."""
+                 full_kl: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """The configured estimator per token, (B, R); `full` is the exact KL computed from the logits. With
+    `old_logprobs`, the sampled estimators are importance-weighted for off-policy tokens (kl.kl_penalty);
+    `full` needs no weight: it sums over the vocabulary under the current policy."""
     if estimator == "full":
         if full_kl is None:
             raise ValueError("the 'full' estimator needs the exact per-token KL from both models' logits")
         return full_kl
-    return kl.kl_penalty(logprobs, ref_logprobs, estimator)
+    return kl.kl_penalty(logprobs, ref_logprobs, estimator, old_logprob=old_logprobs)
 
 
 def actor_loss(cfg: ActorConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -99,6 +101,8 @@ def actor_loss(cfg: ActorConfig, logprobs: torch.Tensor, old_logprobs: torch.Ten
     """The actor's loss on a micro-batch, all (B, R):
 
         loss = policy_loss(ratio, A) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl)   (kl if use_kl_loss)
+
+    with kl weighted by rho = exp(logprobs - old_logprobs) when kl_loss_off_policy_correction is on.
 
     `entropy` carries a graph only when entropy_coeff != 0; `full_kl` (differentiable through the actor's
     logits) is needed only for kl_loss_type=full. `agg` (num_tokens, num_seqs, norm_len) normalises by the
@@ -109,7 +113,8 @@ def actor_loss(cfg: ActorConfig, logprobs: torch.Tensor, old_logprobs: torch.Ten
     if cfg.entropy_coeff:
         loss = loss - cfg.entropy_coeff * core_algos.agg_loss(entropy, response_mask, cfg.loss_agg_mode, **agg)
     if cfg.use_kl_loss:
-        kl_loss = core_algos.agg_loss(kl_per_token(cfg.kl_loss_type, logprobs, ref_logprobs, full_kl),
+        old = old_logprobs if cfg.kl_loss_off_policy_correction else None
+        kl_loss = core_algos.agg_loss(kl_per_token(cfg.kl_loss_type, logprobs, ref_logprobs, full_kl, old),
                                       response_mask, cfg.loss_agg_mode, **agg)
         loss = loss + cfg.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss.item()

@@ -175,6 +175,14 @@ def test_agg_loss_microbatches_with_global_normalisers_sum_to_batch_loss(mode):
 # --- policy loss -----------------------------------------------------------------------------------------
 
 
+def test_policy_loss_reports_the_importance_ratio_over_valid_tokens():
+    old = torch.zeros(2, 3)
+    logprobs = torch.log(torch.tensor([[2.0, 0.5, 1.0], [9.0, 1.5, 1.0]]))  # ratio = these; 9.0 is padding
+    _, metrics = policy_loss(old, logprobs, torch.ones(2, 3), torch.tensor([[1, 1, 1], [0, 1, 1]]))
+    assert metrics["actor/importance_ratio/mean"] == pytest.approx((2.0 + 0.5 + 1.0 + 1.5 + 1.0) / 5)
+    assert metrics["actor/importance_ratio/max"] == pytest.approx(2.0)
+
+
 def test_policy_loss_ratio_one_is_minus_mean_advantage():
     advantages = torch.tensor([[1.0, -2.0, 0.5], [3.0, 100.0, -1.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 1]])

@@ -139,6 +139,30 @@ def test_actor_loss_gradient_is_the_policy_gradient_plus_the_kl_and_entropy_term
         assert metrics["actor/kl_loss"] == pytest.approx(core_algos.masked_mean(value.detach(), mask).item())
 
 
+@pytest.mark.parametrize("estimator", ["k3", "k3+", "k1"])
+def test_actor_loss_with_the_off_policy_correction_weights_the_kl_term_by_rho(estimator):
+    """d loss / d logprobs gains coef * d(rho * k)/d logprob / num_tokens, rho = exp(logprob - old_logprob):
+    in the graph for k1 and k3 (rho * k + rho * k'), detached for k3+ (rho * d); docs/kl.md, off-policy."""
+    gen = torch.Generator().manual_seed(2)
+    shape = (3, 4)
+    old = torch.randn(shape, generator=gen) - 2
+    ref = old + 0.5 * torch.randn(shape, generator=gen)
+    logprobs = (old + 0.3 * torch.randn(shape, generator=gen)).requires_grad_()
+    advantages, mask = torch.randn(shape, generator=gen), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    grads = []
+    for corrected in (False, True):
+        cfg = ActorConfig(use_kl_loss=True, kl_loss_type=estimator, kl_loss_coef=0.7,
+                          kl_loss_off_policy_correction=corrected)
+        logprobs.grad = None
+        ppo.actor_loss(cfg, logprobs, old, advantages, mask, torch.zeros(shape), ref)[0].backward()
+        grads.append(logprobs.grad.clone())
+    d, rho = logprobs.detach() - ref, torch.exp(logprobs.detach() - old)
+    value = kl.kl_penalty(logprobs.detach(), ref, estimator)
+    weighted = {"k3": rho * value + rho * (1 - torch.exp(-d)), "k1": rho * value + rho, "k3+": rho * d}[estimator]
+    torch.testing.assert_close(grads[1] - grads[0],
+                               0.7 * (weighted - ESTIMATOR_GRAD[estimator](d)) * mask / mask.sum())
+
+
 def test_minibatches_cover_the_batch_once_per_epoch_in_an_order_fixed_by_seed_and_step():
     epochs = ppo.minibatches(8, 4, num_epochs=3, seed=7, step=5)
     assert len(epochs) == 6 and all(len(index) == 4 for index in epochs)
@@ -175,6 +199,9 @@ CASES = {
     # the exact KL in both places, per-sequence loss normalisation
     "full_both": ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=full", "actor.use_kl_loss=true",
                   "actor.kl_loss_type=full", "actor.loss_agg_mode=seq-mean-token-mean", "actor.grad_clip=0.05"],
+    # k3+ with the off-policy correction (the tokens are off-policy after the first optimizer step)
+    "loss_k3+_corrected": ["algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+",
+                           "actor.kl_loss_off_policy_correction=true", "actor.kl_loss_coef=5.0"],
     # k3 in the loss only, Dr. GRPO's constant normaliser, no clipping (it would hide the normaliser's scale)
     "loss_k3": ["algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true", "actor.kl_loss_type=k3",
                 "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.grad_clip=1e6", "critic.grad_clip=1e6"],
@@ -240,7 +267,8 @@ def reference_update(cfg, actor, critic, ref, batch, kl_coef: float, step: int):
             if ac.kl_loss_type == "full":
                 kl_mat = kl.full_kl(logits, logprobs_and_logits(ref, mb, temperature)[1].detach(), temperature)
             else:
-                kl_mat = kl.kl_penalty(logprobs, mb["ref_logprobs"], ac.kl_loss_type)
+                old_logprob = mb["old_logprobs"] if ac.kl_loss_off_policy_correction else None
+                kl_mat = kl.kl_penalty(logprobs, mb["ref_logprobs"], ac.kl_loss_type, old_logprob=old_logprob)
             loss = loss + ac.kl_loss_coef * core_algos.agg_loss(kl_mat, m, ac.loss_agg_mode)
         vf_loss = core_algos.value_loss(response_values(critic, mb), mb["values"], returns[index], m,
                                         cfg.critic.cliprange_value, ac.loss_agg_mode)[0]
