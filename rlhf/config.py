@@ -335,7 +335,7 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"config key {key!r}: {e}") from None
 
-    m, d, r, a, ac, c, t = cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.actor, cfg.critic, cfg.trainer
+    m, d, r, a, ac, t = cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.actor, cfg.trainer
     _choice("model.dtype", m.dtype, DTYPE_NAMES)
     if m.ref_dtype is not None:
         _choice("model.ref_dtype", m.ref_dtype, DTYPE_NAMES)

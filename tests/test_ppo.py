@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 from helpers import tiny_overrides
 
+import rlhf.setup
 import train
 from rlhf import core_algos, kl, ppo
 from rlhf.config import ActorConfig, load_config
@@ -229,7 +230,7 @@ def setup_run(artifacts, tmp_path):
     def make(*extra):
         cfg = load_config(None, tiny_overrides(artifacts, str(tmp_path), *COMMON, *extra))
         accelerator = Accelerator(cpu=True)
-        tokenizer, train_set, _, actor, critic, ref = train.prepare_data_and_models(cfg, accelerator)
+        tokenizer, train_set, _, actor, critic, ref = rlhf.setup.prepare_data_and_models(cfg, accelerator)
         torch.manual_seed(0)
         with torch.no_grad():
             for p in actor.parameters():
@@ -356,7 +357,7 @@ def test_batch_metrics_are_the_batch_numbers(setup_run):
 def test_optimizers_take_each_models_settings(setup_run):
     cfg, _, (actor, critic, _), *_ = setup_run("actor.lr=3e-4", "critic.lr=2e-3", "actor.weight_decay=0.1",
                                                "critic.weight_decay=0.01")
-    actor_opt, critic_opt = train.build_optimizers(cfg, actor, critic)
+    actor_opt, critic_opt = rlhf.setup.build_optimizers(cfg, actor, critic)
     assert [(g["lr"], g["weight_decay"]) for g in actor_opt.param_groups] == [(3e-4, 0.1)]
     assert [(g["lr"], g["weight_decay"]) for g in critic_opt.param_groups] == [(2e-3, 0.01)]
     assert actor_opt.param_groups[0]["params"] == list(actor.parameters())

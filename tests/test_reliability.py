@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from helpers import REPO, tiny_overrides
 
+import rlhf.setup
 import train
 from rlhf import core_algos
 from rlhf.checkpoint import latest_checkpoint, list_checkpoints
@@ -208,7 +209,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_pa
     the last one written: no checkpoint is written during a run of bad steps. Either a non-finite loss value
     or a non-finite gradient norm skips the update."""
     seen = {}
-    original_prepare, original_update, original_loss = (train.prepare_data_and_models, train.ppo_update,
+    original_prepare, original_update, original_loss = (rlhf.setup.prepare_data_and_models, train.ppo_update,
                                                          core_algos.policy_loss)
 
     def spy(cfg, accelerator):
@@ -225,7 +226,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_pa
                 patch.setattr(core_algos, "policy_loss", nan_loss)
             return original_update(*args, **kwargs)
 
-    monkeypatch.setattr(train, "prepare_data_and_models", spy)
+    monkeypatch.setattr(rlhf.setup, "prepare_data_and_models", spy)
     monkeypatch.setattr(train, "ppo_update", update)
     out = str(tmp_path / "run")
     with pytest.raises(train.BadStepsError) as err:

@@ -15,6 +15,7 @@ import torch
 
 from helpers import embedded_overrides, tiny_overrides
 
+import rlhf.setup
 import train
 from rlhf.config import load_config
 
@@ -102,7 +103,7 @@ def test_a_run_does_not_depend_on_whether_the_embedded_cache_existed(tmp_path, m
 def test_reference_is_frozen_during_training(artifacts, tmp_path, monkeypatch):
     """Wrap main()'s model loading to keep handles on the live actor and reference."""
     seen = {}
-    original = train.prepare_data_and_models
+    original = rlhf.setup.prepare_data_and_models
 
     def spy(cfg, accelerator):
         out = original(cfg, accelerator)
@@ -110,7 +111,7 @@ def test_reference_is_frozen_during_training(artifacts, tmp_path, monkeypatch):
         seen["actor_start"], seen["ref_start"] = weights(out[3]), weights(out[5])
         return out
 
-    monkeypatch.setattr(train, "prepare_data_and_models", spy)
+    monkeypatch.setattr(rlhf.setup, "prepare_data_and_models", spy)
     # An untrained model scores 0 and starts equal to the reference (all KL terms 0): the entropy bonus
     # is what gives the actor a gradient here.
     run(artifacts, str(tmp_path / "run"), "trainer.logger=none", "actor.use_kl_loss=true",

@@ -1,0 +1,110 @@
+"""Building a run: data and models through the hub code path, optimizers, sampler, KL controller.
+
+    run = setup(cfg, accelerator)       # what train.py's main() uses
+    run = build_setup(cfg, accelerator, tokenizer, train_set, val_set, *load_models(cfg, model_path))
+                                        # the same from data and models loaded elsewhere (the benchmark)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from rlhf import kl
+from rlhf.config import Config
+from rlhf.data import load_gsm8k, tokenize_prompts
+from rlhf.models import load_causal_lm, load_critic, load_tokenizer
+from rlhf.sampler import PromptSampler
+
+
+@dataclass
+class Setup:
+    """Everything a step needs, built by `setup` (also the benchmark's entry point)."""
+
+    tokenizer: object
+    train_set: object  # datasets.Dataset with input_ids and ground_truth
+    val_set: object
+    models: tuple  # (actor, critic, ref), actor and critic prepared by accelerate; ref None when unused
+    optimizers: tuple  # (actor_opt, critic_opt)
+    sampler: PromptSampler
+    kl_ctrl: kl.FixedKLController | kl.AdaptiveKLController
+
+
+def setup(cfg: Config, accelerator: Accelerator) -> Setup:
+    """Data, models (loaded through the hub code path), optimizers, sampler and KL controller."""
+    tokenizer, train_set, val_set, actor, critic, ref = prepare_data_and_models(cfg, accelerator)
+    accelerator.print(f"train prompts: {len(train_set)}, held-out: {len(val_set)}, "
+                      f"actor parameters: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M, "
+                      f"processes: {accelerator.num_processes}, device: {accelerator.device}")
+    return build_setup(cfg, accelerator, tokenizer, train_set, val_set, actor, critic, ref)
+
+
+def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val_set, actor, critic, ref) -> Setup:
+    """Everything after loading: seed, optimizers, accelerate's wrapping, sampler, KL controller."""
+    # Seeded after the models load: building the embedded cache (or not, when it exists) draws random
+    # numbers, and the run must not depend on whether it did. Seed + process index: ranks sample differently.
+    set_seed(cfg.trainer.seed, device_specific=True)
+    actor_opt, critic_opt = build_optimizers(cfg, actor, critic)
+    actor, critic, actor_opt, critic_opt = accelerator.prepare(actor, critic, actor_opt, critic_opt)
+    if ref is not None:
+        ref = ref.to(accelerator.device)
+    kc = cfg.algorithm.kl_ctrl
+    return Setup(tokenizer, train_set, val_set, (actor, critic, ref), (actor_opt, critic_opt),
+                 PromptSampler(len(train_set), cfg.data.train_batch_size, cfg.trainer.seed),
+                 kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon))
+
+
+def prepare_data_and_models(cfg: Config, accelerator: Accelerator):
+    """Resolve "embedded" into local files, then load everything through the hub code path."""
+    model_path, train_source, val_source = cfg.model.path, cfg.data.train_files, cfg.data.val_files
+    if "embedded" in (model_path, train_source, val_source):
+        from rlhf.embedded import prepare_embedded_default
+
+        cache_dir = cfg.trainer.cache_dir or os.path.join(cfg.trainer.output_dir, "embedded")
+        with accelerator.main_process_first():  # rank 0 builds the cache; the others then read it
+            artifacts = prepare_embedded_default(cache_dir, cfg.embedded, log=accelerator.print)
+        model_path = artifacts.model_dir if model_path == "embedded" else model_path
+        train_source = artifacts.train_file if train_source == "embedded" else train_source
+        val_source = artifacts.val_file if val_source == "embedded" else val_source
+
+    tokenizer = load_tokenizer(model_path)
+    train_set = load_gsm8k(train_source, cfg.data.train_split, cfg.data.subset)
+    val_set = load_gsm8k(val_source, cfg.data.val_split, cfg.data.subset)
+    if cfg.data.max_val_samples:
+        val_set = val_set.select(range(min(cfg.data.max_val_samples, len(val_set))))
+    train_set, dropped_train = tokenize_prompts(train_set, tokenizer, cfg.data.max_prompt_length)
+    val_set, dropped_val = tokenize_prompts(val_set, tokenizer, cfg.data.max_prompt_length)
+    if dropped_train or dropped_val:
+        accelerator.print(f"filtered prompts longer than data.max_prompt_length={cfg.data.max_prompt_length}: "
+                          f"{dropped_train} train, {dropped_val} held-out")
+
+    return (tokenizer, train_set, val_set, *load_models(cfg, model_path))
+
+
+def load_models(cfg: Config, model_path: str):
+    """(actor, critic, ref) in eval mode (no dropout: old and new log-probs must come from the same
+    function); the reference frozen, or None when no KL is computed."""
+    actor = load_causal_lm(model_path, cfg.model.dtype)
+    critic = load_critic(cfg.model.critic_path or model_path, cfg.model.dtype)
+    need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.trainer.log_kl_panel
+    ref = load_causal_lm(model_path, cfg.model.ref_dtype or cfg.model.dtype) if need_ref else None
+    for model in (actor, critic):
+        model.eval()
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+    if ref is not None:
+        ref.eval().requires_grad_(False)
+    return actor, critic, ref
+
+
+def build_optimizers(cfg: Config, actor, critic):
+    """AdamW for actor and critic. fused=True: one kernel per step instead of a loop over tensors
+    (measured 2.2 ms vs 11.8 ms per step for the 1M-parameter benchmark model on CPU)."""
+    def adamw(model, lr, weight_decay):
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+
+    return adamw(actor, cfg.actor.lr, cfg.actor.weight_decay), adamw(critic, cfg.critic.lr, cfg.critic.weight_decay)
