@@ -1,5 +1,6 @@
 """The embedded default: generated problems, the local tokenizer, the cached warm-started model."""
 
+import dataclasses
 import json
 import os
 import re
@@ -7,6 +8,7 @@ import time
 
 import pytest
 import torch
+from helpers import TINY_EMBEDDED
 
 from rlhf.data import INSTRUCTION, build_prompt, load_gsm8k
 from rlhf.config import EmbeddedConfig
@@ -15,15 +17,15 @@ from rlhf.embedded import (build_model, config_hash, generate_problems, prepare_
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.rewards.gsm8k import compute_score, extract_ground_truth
 
-TINY = EmbeddedConfig(num_train=96, num_val=32, hidden_size=32, intermediate_size=64, num_layers=1,
-                      num_heads=2, num_kv_heads=1, vocab_size=400, sft_steps=8, sft_batch_size=8,
-                      sft_lr=1e-2, sft_warmup_steps=2)
+# The shared tiny model, with more problems and a warm start long enough to move the held-out loss.
+TINY = dataclasses.replace(TINY_EMBEDDED, num_train=96, num_val=32, vocab_size=400, sft_steps=8, sft_lr=1e-2,
+                           sft_warmup_steps=2)
 _ANNOTATION = re.compile(r"^(\d+)([-+*/])(\d+)=<<(\d+)([-+*/])(\d+)=(\d+)>>(\d+)$")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
+def embedded_artifacts(tmp_path_factory):
     return prepare_embedded_default(str(tmp_path_factory.mktemp("cache")), TINY, log=lambda *a: None)
 
 
@@ -82,15 +84,15 @@ def test_warm_start_demos_plant_the_early_answer_habit():
     assert half == warm_start_demos(problems, EmbeddedConfig(sft_early_answer_frac=0.5))  # seeded
 
 
-def test_splits_are_gsm8k_files_and_do_not_overlap(artifacts):
-    train = load_gsm8k(artifacts.train_file, "train")
-    val = load_gsm8k(artifacts.val_file, "test")
+def test_splits_are_gsm8k_files_and_do_not_overlap(embedded_artifacts):
+    train = load_gsm8k(embedded_artifacts.train_file, "train")
+    val = load_gsm8k(embedded_artifacts.val_file, "test")
     assert (len(train), len(val)) == (TINY.num_train, TINY.num_val)
     assert not set(train["question"]) & set(val["question"])
 
 
-def test_tokenizer_splits_digits_round_trips_and_has_chat_template(artifacts):
-    tokenizer = load_tokenizer(artifacts.model_dir)
+def test_tokenizer_splits_digits_round_trips_and_has_chat_template(embedded_artifacts):
+    tokenizer = load_tokenizer(embedded_artifacts.model_dir)
     ids = tokenizer("12345 and 9081", add_special_tokens=False)["input_ids"]
     pieces = [tokenizer.decode([i]) for i in ids]
     assert [p for p in pieces if any(ch.isdigit() for ch in p)] == list("12345") + list("9081")
@@ -126,9 +128,9 @@ def test_trained_tokenizer_is_what_autotokenizer_loads_back(tmp_path):
     assert sorted(with_digits) == list("0123456789")  # no merge ever joins a digit to anything
 
 
-def test_model_is_tiny_qwen2_with_tied_embeddings(artifacts):
-    model = load_causal_lm(artifacts.model_dir)
-    tokenizer = load_tokenizer(artifacts.model_dir)
+def test_model_is_tiny_qwen2_with_tied_embeddings(embedded_artifacts):
+    model = load_causal_lm(embedded_artifacts.model_dir)
+    tokenizer = load_tokenizer(embedded_artifacts.model_dir)
     assert model.config.model_type == "qwen2"
     assert model.config.hidden_size == TINY.hidden_size and model.config.num_hidden_layers == TINY.num_layers
     assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
@@ -136,34 +138,34 @@ def test_model_is_tiny_qwen2_with_tied_embeddings(artifacts):
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id
 
 
-def test_warm_start_reduces_held_out_loss(artifacts):
-    assert artifacts.sft_val_loss_after < artifacts.sft_val_loss_before - 0.5
+def test_warm_start_reduces_held_out_loss(embedded_artifacts):
+    assert embedded_artifacts.sft_val_loss_after < embedded_artifacts.sft_val_loss_before - 0.5
 
 
-def test_prepare_is_cached_and_keyed_on_config(artifacts):
-    cache_dir = os.path.dirname(os.path.dirname(artifacts.model_dir))
-    weights = os.path.join(artifacts.model_dir, "model.safetensors")
+def test_prepare_is_cached_and_keyed_on_config(embedded_artifacts):
+    cache_dir = os.path.dirname(os.path.dirname(embedded_artifacts.model_dir))
+    weights = os.path.join(embedded_artifacts.model_dir, "model.safetensors")
     mtime = os.stat(weights).st_mtime_ns
     logs = []
     start = time.perf_counter()
     again = prepare_embedded_default(cache_dir, TINY, log=logs.append)
     assert time.perf_counter() - start < 1.0
-    assert again == artifacts
+    assert again == embedded_artifacts
     assert os.stat(weights).st_mtime_ns == mtime
     assert any("reusing" in line for line in logs)
     assert [n for n in os.listdir(cache_dir) if n.startswith(".tmp")] == []  # written atomically
 
     assert config_hash(TINY) == config_hash(EmbeddedConfig(**vars(TINY)))
     assert config_hash(TINY) != config_hash(EmbeddedConfig(**{**vars(TINY), "seed": 1}))
-    with open(os.path.join(os.path.dirname(artifacts.model_dir), "meta.json")) as f:
+    with open(os.path.join(os.path.dirname(embedded_artifacts.model_dir), "meta.json")) as f:
         assert json.load(f)["config"] == vars(TINY)
 
 
-def test_prepare_is_deterministic_by_seed(artifacts, tmp_path):
+def test_prepare_is_deterministic_by_seed(embedded_artifacts, tmp_path):
     again = prepare_embedded_default(str(tmp_path), TINY, log=lambda *a: None)
-    assert again.model_dir != artifacts.model_dir
-    with open(again.train_file) as f1, open(artifacts.train_file) as f2:
+    assert again.model_dir != embedded_artifacts.model_dir
+    with open(again.train_file) as f1, open(embedded_artifacts.train_file) as f2:
         assert f1.read() == f2.read()
-    first, second = load_causal_lm(artifacts.model_dir), load_causal_lm(again.model_dir)
+    first, second = load_causal_lm(embedded_artifacts.model_dir), load_causal_lm(again.model_dir)
     for (name, p1), (_, p2) in zip(first.named_parameters(), second.named_parameters()):
         assert torch.equal(p1, p2), name
