@@ -3,6 +3,7 @@
 import importlib.metadata
 import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -65,7 +66,7 @@ def test_each_run_puts_the_kl_in_one_place_with_one_coefficient_seed_and_length(
 
 
 def test_unknown_runs_are_refused_with_the_valid_forms():
-    with pytest.raises(ValueError, match="reward:<estimator>, loss:<estimator>, no-kl"):
+    with pytest.raises(ValueError, match="reward:<estimator>, loss:<estimator>, loss-corrected:<estimator>, no-kl"):
         compare.Arm.parse("rewards:k1")
     with pytest.raises(ValueError, match="valid names: .*k3\\+"):
         compare.Arm.parse("loss:k4")
@@ -87,7 +88,8 @@ def test_extra_overrides_come_last_and_win():
 def test_help_lists_the_grid_steps_and_output_options():
     text = compare.build_parser().format_help()
     for word in (*compare.DEFAULT_GRID, "--steps", f"default: {compare.DEFAULT_STEPS}", "--output-dir",
-                 "--report-only", "--kl-coef", "--runs", "--offline", "--no-wandb"):
+                 "--report-only", "--kl-coef", "--runs", "--offline", "--no-wandb", "--seeds", "seed<s>",
+                 "95% interval"):
         assert word in text, word
 
 
@@ -236,7 +238,7 @@ def test_runner_goes_on_after_a_failed_run_and_reports_it(stub_trainer, tmp_path
     assert (out / "reward-k1" / "metrics.jsonl").exists()
     assert "boom" in (out / "loss-k3" / "train.log").read_text()
     table = (out / "kl_estimators.md").read_text()
-    assert "| KL in loss: k3 | 1/3 ⚠ |" in table and "loss:k3 failed (exit 1)" in table
+    assert "| KL in loss: k3 | 1 | 1/3 ⚠ |" in table and "loss:k3 failed (exit 1)" in table
     assert (out / "kl_estimators.png").stat().st_size > 20_000
 
 
@@ -254,23 +256,43 @@ def test_skip_done_keeps_finished_runs(stub_trainer, tmp_path):
 # ----------------------------------------------------------------------------- the report
 
 
+def table_rows(markdown: str) -> dict[str, dict[str, str]]:
+    """The report's table: {run cell: {header: cell}}."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    split = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
+    head = split(lines[0])
+    return {cells[0]: dict(zip(head, cells)) for cells in map(split, lines[2:])}
+
+
+def interval(cell: str) -> tuple[float, float | None]:
+    """`0.0400 ± 0.0012` -> (0.04, 0.0012); `0.0400 (n=1)` -> (0.04, None)."""
+    if cell.endswith("(n=1)"):
+        return float(cell.split()[0]), None
+    mean, half = cell.split(" ± ")
+    return float(mean), float(half)
+
+
 def test_report_numbers_from_metrics(stub_trainer, tmp_path):
     out = tmp_path / "cmp"
     assert compare.main(["--runs", "reward:k1", "loss:k3+", "--steps", "4", "--output-dir", str(out),
                          "--cache-dir", str(tmp_path), "--no-wandb"]) == 0
     os.remove(out / "kl_estimators.md")
     assert compare.main(["--report-only", str(out)]) == 0  # redrawn from the files alone
-    lines = (out / "kl_estimators.md").read_text().splitlines()
-    row = [c.strip() for c in next(line for line in lines if line.startswith("| KL in reward: k1 |")).strip("|").split("|")]
-    # steps 1..4: kl/full = 0.01 * step, k1 = full + 0.002, k2 = full - 0.001, k3 = full, abs = 3 * full
-    assert row[1:5] == ["4", "0.0400", "0.250 → 0.500", "0.250"]
-    bias = [float(x) for cell in row[5:9] for x in cell.split(" ± ")]  # mean ± sd of kl/<est> - kl/full
-    assert bias == pytest.approx([0.002, 0.0, -0.001, 0.0, 0.0, 0.0, 0.05, 0.026], abs=1e-9)
-    header = next(line for line in lines if line.startswith("| run |"))
-    for column in ("final exact KL", "val/accuracy", "mean reward", "k1 bias", "k2 bias", "k3 bias", "abs bias"):
-        assert column in header
-    assert [line.split(" | ")[0] for line in lines if line.startswith("| KL in")] == [
-        "| KL in reward: k1", "| KL in loss: k3+"]  # reward runs before loss runs
+    text = (out / "kl_estimators.md").read_text()
+    rows = table_rows(text)
+    row = rows["KL in reward: k1"]
+    # steps 1..4: kl/full = 0.01 * step, k1 = full + 0.002, k2 = full - 0.001, k3 = full, abs = 3 * full;
+    # one seed, so every number comes without an interval
+    assert [row["seeds"], row["steps"]] == ["1", "4"]
+    assert row["final exact KL (mean ± 95% CI)"] == "0.0400 (n=1)"
+    assert row["final val/accuracy (mean ± 95% CI)"] == "0.500 (n=1)"
+    assert row["mean reward (mean ± 95% CI)"] == "0.250 (n=1)"
+    bias = [interval(row[f"{e} bias (mean ± 95% CI)"]) for e in ("k1", "k2", "k3", "abs")]
+    assert [m for m, _ in bias] == pytest.approx([0.002, -0.001, 0.0, 0.05], abs=1e-9)  # mean over steps
+    assert [h for _, h in bias] == [None] * 4
+    assert "before PPO (step 0): 0.250 in every run" in text
+    assert "No `no-kl` run" in text and not any(h.startswith("Δ") for h in row)  # nothing to compare to
+    assert list(rows) == ["KL in reward: k1", "KL in loss: k3+"]  # reward runs before loss runs
 
 
 def test_report_only_on_an_empty_directory_says_so(tmp_path):
@@ -288,6 +310,230 @@ def test_run_label_names_placement_and_estimator():
     assert run_label(cfg) == "no-kl" and compare.legend_name("no-kl") == "no KL"
     # The grid's run names are the same labels.
     assert [compare.Arm.parse(name).name for name in compare.DEFAULT_GRID] == list(compare.DEFAULT_GRID)
+
+
+# ----------------------------------------------------------------------------- seeds: the runner
+
+
+def test_seeds_fan_out_into_seed_directories_seed_by_seed(stub_trainer, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert compare.main(["--runs", "no-kl", "reward:k1", "--steps", "2", "--seeds", "3", "--seed", "5",
+                         "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-wandb"]) == 0
+    for run in ("no-kl", "reward-k1"):
+        assert sorted(os.listdir(out / run)) == ["seed5", "seed6", "seed7"]
+        for seed in (5, 6, 7):
+            cfg = from_dict(yaml.safe_load((out / run / f"seed{seed}" / "config.yaml").read_text()))
+            assert cfg.trainer.seed == seed
+            assert cfg.trainer.output_dir == str(out / run / f"seed{seed}")
+            assert cfg.trainer.cache_dir == str(tmp_path / "cache")  # one warm start for every seed
+            assert cfg.trainer.experiment_name == f"{run_label(cfg)}/seed{seed}"
+            assert cfg.trainer.total_steps == 2
+    printed = capsys.readouterr().out
+    order = [line.split(": ")[0] for line in printed.splitlines() if line.startswith("[")]
+    assert order == ["[1/6] no-kl (seed 5)", "[2/6] reward:k1 (seed 5)", "[3/6] no-kl (seed 6)",
+                     "[4/6] reward:k1 (seed 6)", "[5/6] no-kl (seed 7)", "[6/6] reward:k1 (seed 7)"]
+    rows = table_rows((out / "kl_estimators.md").read_text())
+    assert [rows[r]["seeds"] for r in ("no KL", "KL in reward: k1")] == ["3", "3"]
+    assert "seeds 5, 6, 7" in (out / "kl_estimators.md").read_text()
+
+
+def test_seed_overrides_come_after_the_extra_ones():
+    """With several seeds, a trainer.seed among the key=value overrides sets the first seed, not all of them."""
+    arm = compare.Arm.parse("loss:k2")
+    shared = compare.shared_overrides(3, 0.01, None, "g")
+    overrides = compare.run_overrides(arm, "out", "cache", shared, ["trainer.seed=1"], seed=43)
+    assert overrides[-1] == "trainer.seed=43"
+    cfg = load_config(TINY, overrides)
+    assert cfg.trainer.seed == 43 and cfg.trainer.output_dir == os.path.join("out", "loss-k2", "seed43")
+    one = load_config(TINY, compare.run_overrides(arm, "out", "cache", shared, []))  # one seed: today's layout
+    assert one.trainer.output_dir == os.path.join("out", "loss-k2") and one.trainer.experiment_name == "loss:k2"
+    assert compare.seed_list(99, 3) == [99, 100, 101]
+    assert [seed for _, seed in compare.grid_jobs([arm], [7])] == [None]  # one seed: no seed folder
+    with pytest.raises(ValueError, match="at least 1"):
+        compare.seed_list(0, 0)
+
+
+def test_seeds_start_from_an_overridden_seed(stub_trainer, tmp_path):
+    out = tmp_path / "cmp"
+    assert compare.main(["--runs", "no-kl", "--steps", "1", "--seeds", "2", "--output-dir", str(out),
+                         "--cache-dir", str(tmp_path), "--no-wandb", "trainer.seed=99"]) == 0
+    assert sorted(os.listdir(out / "no-kl")) == ["seed100", "seed99"]
+    assert compare.main(["--runs", "no-kl", "--seeds", "0", "--output-dir", str(out)]) == 2
+
+
+def test_skip_done_failures_and_layout_switch_with_seeds(stub_trainer, tmp_path):
+    out = tmp_path / "cmp"
+    common = ["--steps", "3", "--output-dir", str(out), "--cache-dir", str(tmp_path), "--no-wandb"]
+    assert compare.main(["--runs", "no-kl", *common]) == 0  # one seed: <out>/no-kl/
+    assert (out / "no-kl" / "metrics.jsonl").exists()
+    args = ["--runs", "no-kl", "loss:k3", "--seeds", "2", "--seed", "1", *common]
+    assert compare.main(args) == 1  # the stub crashes loss:k3 in step 2, with every seed
+    # The one-seed run was removed (it would count as a third seed), the seed folders are there.
+    assert sorted(os.listdir(out / "no-kl")) == ["seed1", "seed2"]
+    text = (out / "kl_estimators.md").read_text()
+    assert "loss:k3 (seed 1) failed (exit 1)" in text and "loss:k3 (seed 2) failed (exit 1)" in text
+    assert table_rows(text)["KL in loss: k3"]["steps"] == "1/3 ⚠"
+    before = (out / "no-kl" / "seed2" / "train.log").stat().st_mtime_ns
+    assert compare.main([*args, "--skip-done"]) == 1
+    assert (out / "no-kl" / "seed2" / "train.log").stat().st_mtime_ns == before  # finished: kept
+    assert compare.main(["--runs", "no-kl", *common]) == 0  # back to one seed: the seed folders go
+    assert "seed1" not in os.listdir(out / "no-kl")
+
+
+# ----------------------------------------------------------------------------- seeds: the statistics
+
+
+def t_coverage(q: float, df: int, intervals: int = 20_000) -> float:
+    """P(|T| < q) for Student's t with df degrees of freedom: Simpson's rule on the density (no scipy)."""
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    density = lambda x: math.exp(log_norm - (df + 1) / 2 * math.log1p(x * x / df))
+    h = q / intervals
+    total = density(0) + density(q) + sum((4 if i % 2 else 2) * density(i * h) for i in range(1, intervals))
+    return 2 * total * h / 3
+
+
+def test_t_table_is_the_95_percent_quantile_of_student_t():
+    for df, q in compare.T95.items():
+        log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+        rounding = 2 * math.exp(log_norm - (df + 1) / 2 * math.log1p(q * q / df)) * 0.0005  # q has 3 decimals
+        assert abs(t_coverage(q, df) - 0.95) < rounding + 1e-7, df
+    assert compare.T95[1] == pytest.approx(math.tan(0.475 * math.pi), abs=5e-4)  # Cauchy: closed form
+    assert [compare.t95(df) for df in (1, 2, 30, 35, 1000)] == [12.706, 4.303, 2.042, 2.042, 1.980]
+    with pytest.raises(ValueError):
+        compare.t95(0)
+
+
+def test_estimate_mean_interval_and_resolution_by_hand():
+    e = compare.Estimate((1.0, 2.0, 6.0))  # mean 3, sample sd sqrt((4 + 1 + 9) / 2) = sqrt(7)
+    assert e.n == 3 and e.mean == 3.0 and e.sd == pytest.approx(math.sqrt(7))
+    assert e.half_width == pytest.approx(4.303 * math.sqrt(7) / math.sqrt(3))  # t(2 df) = 4.303
+    one = compare.Estimate((0.5,))
+    assert (one.mean, one.sd, one.half_width) == (0.5, None, None)
+    assert math.isnan(compare.Estimate(()).mean)
+    # No interval, nothing resolved or sized; exact values (sd 0) that differ are resolved.
+    assert not compare.resolved(one, e) and compare.seeds_to_resolve(one, e) is None
+    assert compare.resolved(compare.Estimate((1.0, 1.0)), compare.Estimate((2.0, 2.0)))
+    # Two seeds each, sd sqrt(2), so half-widths 12.706 * sqrt(2) / sqrt(2) = 12.706: resolved only when
+    # |difference| > 25.412, the sum of both (not one half-width, not the sds).
+    low, shifted = compare.Estimate((0.0, 2.0)), lambda d: compare.Estimate((d, d + 2.0))
+    assert not compare.resolved(low, shifted(20.0))
+    assert not compare.resolved(low, shifted(25.4)) and not compare.resolved(shifted(25.4), low)
+    assert compare.resolved(low, shifted(25.5)) and compare.resolved(shifted(-25.5), low)
+    # |difference| 2 vs half-widths 12.706 * 1 / sqrt(2) each: unresolved; needs t(n-1) * 2 / sqrt(n) < 2,
+    # i.e. sqrt(n) > t(n-1): n = 5 (sqrt 5 = 2.236 < 2.776), n = 6 (2.449 < 2.571), n = 7 (2.646 > 2.447).
+    a, b = compare.Estimate((0.0, 1.0 * math.sqrt(2))), compare.Estimate((2.0, 2.0 + math.sqrt(2)))
+    assert a.sd == pytest.approx(1.0) and b.sd == pytest.approx(1.0)
+    assert not compare.resolved(a, b) and compare.seeds_to_resolve(a, b) == 7
+    assert compare.seeds_to_resolve(a, a) is None  # equal means: no number of seeds resolves them
+
+
+def write_run(directory, seed: int, rows: list[dict], total_steps: int = 2, **kl) -> None:
+    """A run's config.yaml and metrics.jsonl (a step-0 evaluation, then `rows`), as train.py writes them; the
+    KL is off unless set by `kl` (config keys in the form algorithm__use_kl_in_reward=True)."""
+    config = {"model": {"path": "synthetic"}, "trainer": {"seed": seed, "total_steps": total_steps},
+              "algorithm": {"kl_ctrl": {"kl_coef": 0.01}, "use_kl_in_reward": False},
+              "actor": {"kl_loss_coef": 0.01, "use_kl_loss": False}}
+    for key, value in kl.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.yaml"), "w") as f:
+        yaml.safe_dump(config, f)
+    with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in [{"step": 0, "val/accuracy": 0.4}, *rows]))
+
+
+def synthetic_rows(final_kl: float, accuracy: float, bias_k1: float) -> list[dict]:
+    """Steps 1 and 2: kl/full 0.05 then `final_kl`; kl/k1 = kl/full + bias_k1 and the other estimators equal
+    kl/full at both steps; critic/score/mean 0.1 then 0.3 (mean 0.2); val/accuracy `accuracy` at step 2."""
+    rows = [{"step": s, "kl/full": full, "kl/k1": full + bias_k1, "kl/k2": full, "kl/k3": full, "kl/abs": full,
+             "critic/score/mean": score} for s, full, score in ((1, 0.05, 0.1), (2, final_kl, 0.3))]
+    rows[-1]["val/accuracy"] = accuracy
+    return rows
+
+
+@pytest.fixture
+def synthetic(tmp_path):
+    """no-kl and reward:k1 with seeds 1-3 in seed folders, loss:k3+ with one seed in the one-seed layout.
+
+    Per seed   final kl/full     final val/accuracy  k1 bias (both steps)  mean reward
+    no-kl      0.10 0.12 0.14    0.50 0.52 0.54      0.001 0.002 0.003     0.2 (every seed)
+    reward:k1  0.02 0.03 0.04    0.47 0.49 0.51      0.004 0.004 0.004     0.2
+    loss:k3+   0.06              0.60                0.0                   0.2
+    """
+    out = tmp_path / "grid"
+    reward = dict(algorithm__use_kl_in_reward=True, algorithm__kl_penalty="k1")
+    for i, seed in enumerate((1, 2, 3)):
+        write_run(out / "no-kl" / f"seed{seed}", seed,
+                  synthetic_rows(0.10 + 0.02 * i, 0.50 + 0.02 * i, 0.001 * (i + 1)))
+        write_run(out / "reward-k1" / f"seed{seed}", seed, synthetic_rows(0.02 + 0.01 * i, 0.47 + 0.02 * i, 0.004),
+                  **reward)
+    write_run(out / "loss-k3+", 1, synthetic_rows(0.06, 0.60, 0.0), actor__use_kl_loss=True, actor__kl_loss_type="k3+")
+    return out
+
+
+def test_aggregation_over_seeds_by_hand(synthetic):
+    groups = compare.group_runs(compare.load_runs(str(synthetic)))
+    assert [(g.label, g.seeds) for g in groups] == [("no-kl", [1, 2, 3]), ("reward:k1", [1, 2, 3]), ("loss:k3+", [1])]
+    no_kl, k1, k3 = groups
+    t2 = 4.303  # Student t, 2 degrees of freedom (3 seeds), two-sided 95%
+    kl = no_kl.estimate(lambda r: r.final("kl/full"))
+    assert kl.values == pytest.approx((0.10, 0.12, 0.14))  # the last step of each seed, not every step
+    assert kl.mean == pytest.approx(0.12) and kl.half_width == pytest.approx(t2 * 0.02 / math.sqrt(3))
+    assert k1.estimate(lambda r: r.final("kl/full")).half_width == pytest.approx(t2 * 0.01 / math.sqrt(3))
+    bias = no_kl.estimate(lambda r: r.mean_bias("k1"))  # mean over steps, then over seeds
+    assert bias.mean == pytest.approx(0.002) and bias.half_width == pytest.approx(t2 * 0.001 / math.sqrt(3))
+    assert k3.estimate(lambda r: r.final("kl/full")).half_width is None  # one seed
+
+
+def test_report_table_over_seeds_marks_resolved_differences(synthetic):
+    assert compare.main(["--report-only", str(synthetic)]) == 0
+    text = (synthetic / "kl_estimators.md").read_text()
+    rows = table_rows(text)
+    assert list(rows) == ["no KL", "KL in reward: k1", "KL in loss: k3+"]
+    no_kl, k1, k3 = rows.values()
+    assert [no_kl["seeds"], k1["seeds"], k3["seeds"]] == ["3", "3", "1"]
+    hw = lambda sd, n=3, t=4.303: t * sd / math.sqrt(n)
+    cases = [(no_kl, "final exact KL", 0.12, hw(0.02)), (k1, "final exact KL", 0.03, hw(0.01)),
+             (no_kl, "final val/accuracy", 0.52, hw(0.02)), (k1, "final val/accuracy", 0.49, hw(0.02)),
+             (no_kl, "k1 bias", 0.002, hw(0.001)), (k1, "k1 bias", 0.004, 0.0), (no_kl, "mean reward", 0.2, 0.0)]
+    for row, column, mean, half in cases:
+        got_mean, got_half = interval(row[f"{column} (mean ± 95% CI)"])
+        places = 1e-4 if column == "final exact KL" else 1e-3 if "bias" not in column else 0.051 * max(abs(mean), half)
+        assert got_mean == pytest.approx(mean, abs=places), (column, row["run"])
+        assert got_half == pytest.approx(half, abs=places), (column, row["run"])
+    # KL: |-0.09| > 0.0497 + 0.0248: resolved. Accuracy: |-0.03| < 0.0497 + 0.0497: not; with the observed
+    # sds (0.02 each) it needs t(n-1) * 0.04 / sqrt(n) < 0.03: n = 9 gives 2.306 * 0.04 / 3 = 0.0307, n = 10
+    # gives 2.262 * 0.04 / 3.162 = 0.0286. Reward: equal means.
+    assert k1["Δ final exact KL vs no KL"] == "-0.0900 resolved"
+    assert k1["Δ final val/accuracy vs no KL"] == "-0.030 unresolved (~10 seeds)"
+    assert k1["Δ mean reward vs no KL"] == "+0.000 unresolved (equal means)"
+    assert no_kl["Δ final exact KL vs no KL"] == "reference"
+    assert k3["final exact KL (mean ± 95% CI)"] == "0.0600 (n=1)"  # one seed: no interval, said so
+    assert k3["Δ final exact KL vs no KL"] == "-0.0600 unresolved (n=1)"
+    assert "intervals do not overlap" in text and "rough estimate" in text and "`(n=1)`: one seed, no interval" in text
+    assert "seeds 1, 2, 3" in text
+    assert (synthetic / "kl_estimators.png").stat().st_size > 20_000
+
+
+def test_seeds_that_stopped_early_are_left_out_when_others_finished(synthetic):
+    reward = dict(algorithm__use_kl_in_reward=True, algorithm__kl_penalty="k1")
+    write_run(synthetic / "reward-k1" / "seed4", 4, synthetic_rows(9.0, 0.9, 0.004)[:1], **reward)  # step 1 of 2
+    groups = {g.label: g for g in compare.group_runs(compare.load_runs(str(synthetic)))}
+    assert groups["reward:k1"].seeds == [1, 2, 3] and [r.seed for r in groups["reward:k1"].stopped] == [4]
+    compare.write_report(str(synthetic))
+    text = (synthetic / "kl_estimators.md").read_text()
+    assert table_rows(text)["KL in reward: k1"]["seeds"] == "3 (+1 stopped early, left out)"
+    assert "reward:k1 (seed 4) (stopped early)" in text
+
+
+def test_mean_curve_bands_over_seeds(synthetic):
+    runs = [r for r in compare.load_runs(str(synthetic)) if r.label == "no-kl"]
+    steps, mean, low, high = compare.mean_curve(runs, "kl/full")
+    assert steps == [1, 2] and mean == pytest.approx([0.05, 0.12])
+    assert high[1] - mean[1] == pytest.approx(4.303 * 0.02 / math.sqrt(3)) and low[0] == pytest.approx(0.05)
+    _, _, low, high = compare.mean_curve(runs[:1], "kl/full")  # one seed: no band
+    assert all(math.isnan(x) for x in low + high)
 
 
 # ----------------------------------------------------------------------------- end to end, real train.py
@@ -310,4 +556,4 @@ def test_runner_drives_train_py_end_to_end(tmp_path, monkeypatch):
         assert [r["step"] for r in rows] == [0, 1] and "kl/full" in rows[1]
     assert "actor/kl_loss" in rows[1]  # the loss run really had the KL loss on
     table = (out / "kl_estimators.md").read_text()
-    assert "| no KL | 1 |" in table and "| KL in loss: k3+ | 1 |" in table
+    assert "| no KL | 1 | 1 |" in table and "| KL in loss: k3+ | 1 | 1 |" in table  # seeds, steps
