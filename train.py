@@ -32,8 +32,8 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from rlhf import core_algos, kl, ppo
-from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_steps_message, latest_checkpoint,
-                             save_checkpoint)
+from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_steps_message, check_resumable,
+                             latest_checkpoint, save_checkpoint)
 from rlhf.config import Config, ConfigError, kl_tags, load_config, to_dict, validate, warnings_for
 from rlhf.rewards.gsm8k import compute_score
 from rlhf.rollout import SamplingParams, generate, left_pad, logprobs_and_logits, response_values, slice_batch
@@ -67,9 +67,11 @@ def sum_over_processes(accelerator):
 def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) -> tuple[dict[str, float], int, float]:
     """One PPO step on this process's share of the global batch.
     Returns (metrics averaged over processes, skipped optimizer updates, tokens processed by all processes)."""
-    rows = run.train_set[ppo.process_share(run.sampler.next_batch(), accelerator.process_index,
-                                           accelerator.num_processes)]
+    prompts = run.train_set[ppo.process_share(run.sampler.next_batch(), accelerator.process_index,
+                                              accelerator.num_processes)]
+    rows, group_ids = ppo.repeat_prompts(prompts, cfg.rollout.n)  # each prompt's group of rollout.n responses
     batch = rollout(cfg, accelerator, run.models, run.tokenizer, rows, timer)
+    batch["group_ids"] = group_ids.to(accelerator.device)
     metrics, skipped = update(cfg, accelerator, run.models, run.optimizers, batch, run.kl_ctrl, step, timer)
     metrics.update(batch_metrics(cfg, accelerator, batch, run.tokenizer.eos_token_id))
     num_tokens = accelerator.reduce(batch["attention_mask"].sum().float(), "sum").item()
@@ -78,8 +80,8 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
 
 @torch.no_grad()
 def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer) -> dict[str, torch.Tensor]:
-    """Sample one response per prompt; add the old and reference log-probs, the exact per-token KL, the
-    critic's values (all (B, R), micro-batched) and the GSM8K scores (B,)."""
+    """Sample one response per row; add the old and reference log-probs, the exact per-token KL, the
+    critic's values when there is a critic (all (B, R), micro-batched) and the GSM8K scores (B,)."""
     actor, critic, ref = models
     prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
     r = cfg.rollout
@@ -101,8 +103,9 @@ def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer) -> 
                 if need_full:
                     parts["full_kl"].append(kl.full_kl(logits, ref_logits, r.temperature))
         del logits
-        with timer("values"):
-            parts["values"].append(response_values(critic, micro))
+        if critic is not None:
+            with timer("values"):
+                parts["values"].append(response_values(critic, micro))
     batch.update({k: torch.cat(v) for k, v in parts.items()})
     batch["scores"] = score_responses(tokenizer, batch, rows["ground_truth"], cfg.data.reward_method)
     return batch
@@ -117,7 +120,7 @@ def score_responses(tokenizer, batch, ground_truths: list[str], method: str) -> 
 
 def update(cfg: Config, accelerator, models, optimizers, batch, kl_ctrl, step: int,
            timer: Timer) -> tuple[dict[str, float], int]:
-    """KL in the reward -> advantages -> PPO epochs -> adaptive KL coefficient, on a rollout batch.
+    """KL in the reward -> advantages (algorithm.adv_estimator) -> PPO epochs -> adaptive KL coefficient.
     Returns (metrics of all processes, skipped optimizer updates)."""
     a, mask, reduce_sum = cfg.algorithm, batch["response_mask"], sum_over_processes(accelerator)
     metrics = {}
@@ -127,46 +130,49 @@ def update(cfg: Config, accelerator, models, optimizers, batch, kl_ctrl, step: i
         metrics["actor/reward_kl_penalty"] = ppo.sequence_mean(reward_kl, mask, reduce_sum)
         metrics["actor/reward_kl_penalty_coeff"] = kl_ctrl.value
     batch["token_rewards"] = ppo.token_rewards(batch["scores"], mask, reward_kl, kl_ctrl.value)
-    advantages, batch["returns"] = core_algos.compute_gae(batch["token_rewards"], batch["values"], mask,
-                                                          a.gamma, a.lam)
-    batch["advantages"] = ppo.whiten(advantages, mask, reduce_sum)
+    batch["advantages"], batch["returns"] = ppo.advantages(a, batch, reduce_sum)
     update_metrics, skipped = ppo_update(cfg, accelerator, models, optimizers, batch, step, timer)
     metrics.update(mean_over_processes(accelerator, update_metrics))
     if a.use_kl_in_reward and math.isfinite(metrics["actor/reward_kl_penalty"]):
-        kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size)
+        kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
     if cfg.actor.use_kl_loss:
         metrics["actor/kl_coef"] = cfg.actor.kl_loss_coef
     return metrics, skipped
 
 
 def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, timer: Timer):
-    """`actor.ppo_epochs` passes over the batch in mini-batches, one optimizer step per model and mini-batch.
-    Returns (metrics averaged over mini-batches, skipped optimizer updates)."""
+    """`actor.ppo_epochs` passes over the batch in mini-batches, one optimizer step per model and mini-batch
+    (the critic only when there is one). Returns (metrics averaged over mini-batches, skipped updates)."""
     (actor, critic, ref), (actor_opt, critic_opt), ac = models, optimizers, cfg.actor
-    world = accelerator.num_processes
+    world, mini_size = accelerator.num_processes, ac.ppo_mini_batch_size * cfg.rollout.n  # responses
+    learners = [("actor", actor, actor_opt, ac.grad_clip)]
+    if critic is not None:
+        learners.append(("critic", critic, critic_opt, cfg.critic.grad_clip))
     records, skipped = defaultdict(list), 0
-    for mini_index in ppo.minibatches(len(batch["response_ids"]), ac.ppo_mini_batch_size // world, ac.ppo_epochs,
+    for mini_index in ppo.minibatches(len(batch["response_ids"]), mini_size // world, ac.ppo_epochs,
                                       cfg.trainer.seed, step):
         # Normalise by the global mini-batch (all micro-batches, all processes), so the summed micro-batch
         # gradients equal the mini-batch's; DDP averages over processes, so each scales its share by world.
         agg = dict(num_tokens=accelerator.reduce(batch["response_mask"][mini_index].sum().float(), "sum"),
-                   num_seqs=ac.ppo_mini_batch_size, norm_len=batch["response_ids"].shape[1])
-        losses, finite = defaultdict(float), {"actor": True, "critic": True}
+                   num_seqs=mini_size, norm_len=batch["response_ids"].shape[1])
+        losses, finite = defaultdict(float), {name: True for name, *_ in learners}
         micro_indices = mini_index.split(ac.ppo_micro_batch_size)
         for i, micro_index in enumerate(micro_indices):
             micro = slice_batch(batch, micro_index)
             last = i == len(micro_indices) - 1  # gradients are all-reduced on the last micro-batch only
             with timer("update_actor"), (contextlib.nullcontext() if last else accelerator.no_sync(actor)):
-                loss, actor_metrics = micro_actor_loss(cfg, actor, ref, micro, agg)
+                loss, micro_metrics = micro_actor_loss(cfg, actor, ref, micro, agg)
                 accelerator.backward(loss * world)
-            with timer("update_critic"), (contextlib.nullcontext() if last else accelerator.no_sync(critic)):
-                vf_loss, critic_metrics = core_algos.value_loss(
-                    response_values(critic, micro), micro["values"], micro["returns"], micro["response_mask"],
-                    cfg.critic.cliprange_value, ac.loss_agg_mode, **agg)
-                accelerator.backward(vf_loss * world)
             finite["actor"] &= math.isfinite(loss.item())
-            finite["critic"] &= math.isfinite(vf_loss.item())
-            for key, value in {**actor_metrics, **critic_metrics}.items():
+            if critic is not None:
+                with timer("update_critic"), (contextlib.nullcontext() if last else accelerator.no_sync(critic)):
+                    vf_loss, critic_metrics = core_algos.value_loss(
+                        response_values(critic, micro), micro["values"], micro["returns"], micro["response_mask"],
+                        cfg.critic.cliprange_value, ac.loss_agg_mode, **agg)
+                    accelerator.backward(vf_loss * world)
+                finite["critic"] &= math.isfinite(vf_loss.item())
+                micro_metrics.update(critic_metrics)
+            for key, value in micro_metrics.items():
                 if key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss"):
                     losses[key] += value  # summed over micro-batches: the mini-batch's loss
                 else:
@@ -176,10 +182,9 @@ def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, t
         for key, value in losses.items():
             records[key].append(value * world)
         # One decision for all processes (a loss may be non-finite on one only), or the copies drift apart.
-        num_bad = accelerator.reduce(torch.tensor([not finite["actor"], not finite["critic"]],
-                                                  dtype=torch.float32, device=accelerator.device), "sum")
-        for name, model, opt, clip, bad in (("actor", actor, actor_opt, ac.grad_clip, num_bad[0]),
-                                            ("critic", critic, critic_opt, cfg.critic.grad_clip, num_bad[1])):
+        num_bad = accelerator.reduce(torch.tensor([float(not ok) for ok in finite.values()],
+                                                  device=accelerator.device), "sum")
+        for (name, model, opt, clip), bad in zip(learners, num_bad):
             with timer(f"update_{name}"):
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
                 if torch.isfinite(grad_norm) and bad.item() == 0:
@@ -210,8 +215,8 @@ def micro_actor_loss(cfg: Config, actor, ref, micro, agg) -> tuple[torch.Tensor,
 
 
 def batch_metrics(cfg: Config, accelerator, batch, eos_token_id: int) -> dict[str, float]:
-    """The step's logged numbers that describe the batch: scores, rewards, lengths, value fit, the KL panel;
-    averaged over processes (the panel over all processes' tokens)."""
+    """The step's logged numbers that describe the batch: scores, rewards, lengths, advantages, value fit, the
+    share of groups without signal, the KL panel; over all processes (the panel over all their tokens)."""
     mask, reduce_sum = batch["response_mask"], sum_over_processes(accelerator)
     lengths = mask.sum(dim=1)
     clipped = (lengths == mask.shape[1]) & (batch["response_ids"][:, -1] != eos_token_id)
@@ -220,9 +225,16 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_id: int) -> dict[st
         "critic/rewards/mean": core_algos.masked_sum(batch["token_rewards"], mask, dim=1).mean(),
         "response_length/mean": lengths.float().mean(),
         "response_length/clip_ratio": clipped.float().mean(),
-        "critic/vf_explained_var": core_algos.explained_variance(batch["values"], batch["returns"], mask),
+        "critic/advantages/mean": core_algos.masked_mean(batch["advantages"], mask),
     }
+    if "values" in batch:
+        local["critic/vf_explained_var"] = core_algos.explained_variance(batch["values"], batch["returns"], mask)
+    if cfg.rollout.n > 1:
+        local["critic/groups_with_equal_scores"] = ppo.groups_with_equal_scores(batch["scores"], batch["group_ids"])
     metrics = mean_over_processes(accelerator, local)
+    valid = batch["advantages"][mask.bool()]
+    extremes = accelerator.gather(torch.stack([valid.max(), -valid.min()])[None]).amax(dim=0)
+    metrics.update({"critic/advantages/max": extremes[0].item(), "critic/advantages/min": -extremes[1].item()})
     if "ref_logprobs" in batch and cfg.trainer.log_kl_panel:
         panel = kl.kl_panel(batch["old_logprobs"], batch["ref_logprobs"], mask)
         panel["kl/full"] = core_algos.masked_mean(batch["full_kl"], mask).item()
@@ -260,6 +272,8 @@ def main(cfg: Config) -> dict[str, float]:
     if resume_dir == "auto":
         resume_dir = latest_checkpoint(out_dir)
         accelerator.print(f"resume_from=auto: {resume_dir or 'no checkpoint found, starting fresh'}")
+    if resume_dir:
+        check_resumable(resume_dir, cfg.algorithm.adv_estimator)  # before any model loads
     if accelerator.is_main_process:
         os.makedirs(out_dir, exist_ok=True)
         resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False)
@@ -283,7 +297,8 @@ def main(cfg: Config) -> dict[str, float]:
 
     def checkpoint(step: int) -> str:
         state.step, state.sampler, state.kl_ctrl = step, run.sampler.state_dict(), run.kl_ctrl.state_dict()
-        return save_checkpoint(accelerator, out_dir, step, cfg.trainer.max_ckpt_to_keep)
+        return save_checkpoint(accelerator, out_dir, step, cfg.trainer.max_ckpt_to_keep,
+                               info={"adv_estimator": cfg.algorithm.adv_estimator})
 
     actor, total = run.models[0], cfg.trainer.total_steps
     metrics: dict[str, float] = {}

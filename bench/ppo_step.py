@@ -28,8 +28,8 @@ round) after warm-up, medians over `--iters` rounds:
   the time from `on_train_begin` to `on_train_end`, i.e. exactly one iteration of TRL's training loop
   (data loading, rollout, reward model, GAE, PPO update, its logging and its gc.collect()).
   The per-call set-up before `on_train_begin` (a few small tensors) is not counted, in TRL's favour.
-- ours: the wall time of `train.train_step(...)` on the trainer's own set-up (`train.load_models` and
-  `train.build_setup` on the workload's prompts), and its per-phase timer: a `PhaseTimer` (a subclass of
+- ours: the wall time of `train.train_step(...)` on the trainer's own set-up (`rlhf.setup.load_models` and
+  `rlhf.setup.build_setup` on the workload's prompts), and its per-phase timer: a `PhaseTimer` (a subclass of
   `rlhf.tracking.Timer`, passed into `train_step`) that synchronises with the GPU before each phase's time
   is taken, opens a profiler range per phase and counts the actor's forwards while generating.
 - "ours, estimator only": the same with `trainer.log_kl_panel=false`, for the KL panel's cost.
@@ -333,7 +333,7 @@ class PhaseTimer(Timer):
 
 
 class OursSide:
-    """Our trainer's step on the trainer's own set-up (`train.load_models`, `train.build_setup`: seed, AdamW
+    """Our trainer's step on the trainer's own set-up (`rlhf.setup.load_models`, `rlhf.setup.build_setup`: seed, AdamW
     optimizers, accelerate, prompt sampler, KL controller); `step()` runs `train.train_step` once."""
 
     name = "ours train_step"

@@ -12,6 +12,7 @@ to resume from).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from rlhf.config import Config
+from rlhf.config import Config, ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -66,13 +67,19 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
-    """Write `checkpoints/step_<step>` atomically on every process's behalf; prune to `keep`."""
+RUN_INFO = "run_info.json"  # what a checkpoint holds, readable before accelerate loads it
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, info: dict | None = None) -> str:
+    """Write `checkpoints/step_<step>` atomically on every process's behalf (with `info` as run_info.json);
+    prune to `keep`."""
     final = os.path.join(checkpoint_root(output_dir), f"step_{step}")
     tmp = final + ".tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
+        with open(os.path.join(tmp, RUN_INFO), "w") as f:
+            json.dump(info or {}, f)
     accelerator.wait_for_everyone()
     accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
@@ -83,6 +90,21 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def check_resumable(path: str, adv_estimator: str) -> None:
+    """Refuse a checkpoint written by a run with another advantage estimator (its models differ: a critic or
+    not), naming both, before accelerate tries to load it. Checkpoints without run_info.json pass."""
+    info_path = os.path.join(path, RUN_INFO)
+    if not os.path.exists(info_path):
+        return
+    with open(info_path) as f:
+        saved = json.load(f).get("adv_estimator")
+    if saved is not None and saved != adv_estimator:
+        raise ConfigError(f"checkpoint {path} was written by a run with algorithm.adv_estimator={saved}, and this "
+                          f"run has algorithm.adv_estimator={adv_estimator}: a run resumes only with the estimator "
+                          f"it started with. Set algorithm.adv_estimator={saved}, or start fresh in another "
+                          "trainer.output_dir.")
 
 
 class StopOnSignal:

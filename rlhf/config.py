@@ -64,6 +64,7 @@ class RolloutConfig:
     top_p: float = 1.0  # 1.0 = off (same caveat)
     ignore_eos: bool = False  # sample exactly data.max_response_length tokens (benchmarks); EOS stops generation otherwise
     log_prob_micro_batch_size: int = 16  # sequences per forward pass when computing log-probs/values
+    n: int = 1  # responses sampled per prompt (the group of grpo/rloo)
 
 
 @dataclass
@@ -78,6 +79,8 @@ class KLCtrlConfig:
 class AlgorithmConfig:
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda (verl's default: Monte-Carlo returns, unbiased by a young critic)
+    adv_estimator: str = "gae"  # gae (critic, GAE, whitened) | grpo | rloo (critic-free, relative to the prompt's rollout.n responses)
+    norm_adv_by_std_in_grpo: bool = True  # grpo: divide by the group's std; false = Dr. GRPO (arXiv:2503.20783)
     use_kl_in_reward: bool = True  # token_reward_t = score_t - beta * kl_t
     kl_penalty: str = "k1"  # estimator for the reward (k1 is the principled choice there)
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
@@ -88,8 +91,8 @@ class ActorConfig:
     lr: float = 1e-6  # AdamW learning rate of the policy
     weight_decay: float = 0.0  # AdamW weight decay of the policy
     ppo_epochs: int = 1  # passes over each rollout batch
-    ppo_mini_batch_size: int = 16  # sequences per optimizer step, over all processes
-    ppo_micro_batch_size: int = 8  # sequences per forward/backward on each process
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step, over all processes (x rollout.n responses, as verl)
+    ppo_micro_batch_size: int = 8  # responses per forward/backward on each process
     clip_ratio: float = 0.2  # PPO epsilon
     clip_ratio_c: float = 3.0  # dual-clip constant (Ye et al. 2020), > 1
     entropy_coeff: float = 0.0  # entropy bonus weight
@@ -344,7 +347,7 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
     _choice("data.reward_method", d.reward_method, ("strict", "flexible"))
     _choice("trainer.logger", t.logger, ("wandb", "none"))
     for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
-                "data.val_batch_size", "rollout.log_prob_micro_batch_size", "actor.ppo_epochs",
+                "data.val_batch_size", "rollout.log_prob_micro_batch_size", "rollout.n", "actor.ppo_epochs",
                 "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "trainer.total_steps",
                 "trainer.max_ckpt_to_keep", "trainer.max_bad_steps", "rollout.temperature",
                 "actor.lr", "critic.lr", "actor.clip_ratio", "actor.grad_clip", "critic.grad_clip"):
@@ -367,17 +370,19 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
     if ac.clip_ratio_c <= 1.0:
         raise ConfigError(f"config key 'actor.clip_ratio_c' (dual clip) must be > 1, got {ac.clip_ratio_c!r}.")
     checked("actor.loss_agg_mode", core_algos.check_loss_agg_mode, ac.loss_agg_mode)
+    checked("algorithm.adv_estimator", core_algos.check_adv_estimator, a.adv_estimator)
     checked("algorithm.kl_penalty", kl.check_estimator, a.kl_penalty, allow_full=True)
     checked("actor.kl_loss_type", kl.check_estimator, ac.kl_loss_type, allow_full=True)
     kc = a.kl_ctrl
     checked("algorithm.kl_ctrl", kl.check_kl_ctrl, kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
 
-    # Batch arithmetic: global batch -> per-process shares -> mini-batches -> micro-batches.
+    # Batch arithmetic: global batch (prompts) -> per-process shares -> mini-batches (prompts, each with its
+    # rollout.n responses) -> micro-batches (responses).
     _divides("actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, "data.train_batch_size", d.train_batch_size)
     _divides("number of processes", num_processes, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size)
-    per_process_mini = ac.ppo_mini_batch_size // num_processes
+    per_process_mini = ac.ppo_mini_batch_size // num_processes * r.n
     _divides("actor.ppo_micro_batch_size", ac.ppo_micro_batch_size,
-             "actor.ppo_mini_batch_size per process", per_process_mini)
+             "actor.ppo_mini_batch_size per process x rollout.n", per_process_mini)
     if t.resume_from not in (None, "auto") and not os.path.isdir(t.resume_from):
         raise ConfigError(f"trainer.resume_from={t.resume_from!r} is not a directory (use a checkpoint dir or 'auto').")
     for key, source in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
@@ -416,6 +421,9 @@ def warnings_for(cfg: Config) -> list[str]:
                    "not samples of the policy, so the KL estimates are biased (k1 can go negative).")
     if a.use_kl_in_reward and a.kl_ctrl.kl_coef == 0:
         out.append("algorithm.use_kl_in_reward=true with algorithm.kl_ctrl.kl_coef=0: the penalty does nothing.")
+    if a.adv_estimator != "gae" and r.n == 1:
+        out.append(f"algorithm.adv_estimator={a.adv_estimator} with rollout.n=1: every group is one response, "
+                   "whose advantage is its own score (no baseline); sample several (rollout.n=4, say).")
     if ac.use_kl_loss and ac.kl_loss_coef == 0:
         out.append("actor.use_kl_loss=true with actor.kl_loss_coef=0: the KL loss does nothing.")
     return out

@@ -118,6 +118,101 @@ def compute_gae(
     return advantages, returns
 
 
+# name -> fn(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std) -> (advantages, returns),
+# all (B, T); verl's `algorithm.adv_estimator` names. Filled by @register_adv_estimator.
+ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+_CRITIC_FREE: set[str] = set()
+
+
+def register_adv_estimator(name: str, critic_free: bool = False):
+    """Register an advantage estimator; `critic_free` ones need no value model (values are ignored)."""
+
+    def decorator(fn):
+        if name in ADV_ESTIMATOR_REGISTRY:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADV_ESTIMATOR_REGISTRY[name] = fn
+        if critic_free:
+            _CRITIC_FREE.add(name)
+        return fn
+
+    return decorator
+
+
+def check_adv_estimator(name: str) -> None:
+    """Raise ValueError naming the valid estimators if `name` is not a registered one."""
+    if name not in ADV_ESTIMATOR_REGISTRY:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid estimators: {', '.join(ADV_ESTIMATOR_REGISTRY)}")
+
+
+def needs_critic(name: str) -> bool:
+    check_adv_estimator(name)
+    return name not in _CRITIC_FREE
+
+
+@register_adv_estimator("gae")
+def _gae_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std):
+    """GAE with the critic's values (`compute_gae`); the trainer whitens the advantages afterwards."""
+    return compute_gae(token_rewards, values, response_mask, gamma, lam)
+
+
+@register_adv_estimator("grpo", critic_free=True)
+def _grpo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std):
+    """(score - group mean) / (group std + 1e-6), or score - group mean without norm_by_std (Dr. GRPO)."""
+    return group_outcome_advantages(token_rewards, response_mask, group_ids, "grpo", norm_by_std)
+
+
+@register_adv_estimator("rloo", critic_free=True)
+def _rloo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std):
+    """score - mean of the group's other scores."""
+    return group_outcome_advantages(token_rewards, response_mask, group_ids, "rloo")
+
+
+ADV_ESTIMATORS = tuple(ADV_ESTIMATOR_REGISTRY)
+
+
+@torch.no_grad()
+def group_outcome_advantages(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    estimator: str,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Critic-free advantages from each response's total reward, relative to its prompt's group, as verl's
+    `compute_grpo_outcome_advantage` and `compute_rloo_outcome_advantage`:
+
+        score_i = sum_t token_rewards[i, t] over valid tokens (the score plus the KL penalty, if in the reward)
+        grpo:  A_i = (score_i - mean_g) / (std_g + eps)     mean and unbiased std over i's group g;
+               with norm_by_std=False, A_i = score_i - mean_g (Dr. GRPO, Liu et al. arXiv:2503.20783)
+        rloo:  A_i = score_i - mean of the other n - 1 scores = n / (n - 1) * (score_i - mean_g)
+               (Ahmadian et al. arXiv:2402.14740)
+
+    A group of one keeps A_i = score_i, as in verl. `group_ids` (B,) holds any integer per prompt. The
+    advantage is broadcast to every valid token: returns (advantages, returns), both (B, T), equal (no critic).
+    """
+    if estimator not in ("grpo", "rloo"):
+        raise ValueError(f"unknown group advantage estimator {estimator!r}; valid: grpo, rloo")
+    scores = masked_sum(token_rewards, response_mask, dim=-1).float()  # (B,)
+    group = torch.unique(group_ids, return_inverse=True)[1].to(scores.device)
+    num_groups = int(group.max()) + 1 if len(group) else 0
+
+    def per_group_sum(x):
+        return torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, group, x)
+
+    size = per_group_sum(torch.ones_like(scores))
+    centred = scores - (per_group_sum(scores) / size)[group]
+    n = size[group]
+    if estimator == "grpo":
+        std = (per_group_sum(centred ** 2) / (size - 1).clamp(min=1)).sqrt()[group]  # unbiased, as torch.std
+        advantages = centred / (std + eps) if norm_by_std else centred
+    else:
+        advantages = centred * n / (n - 1).clamp(min=1)
+    advantages = torch.where(n > 1, advantages, scores)  # a group of one: the score itself
+    advantages = torch.where(response_mask.bool(), advantages[:, None], 0.0)
+    return advantages, advantages
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Loss aggregation: (B, T) per-token losses -> scalar
 # ---------------------------------------------------------------------------------------------------------

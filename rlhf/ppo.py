@@ -5,8 +5,9 @@ Each function here is one decision of the step, small enough to check by hand (t
     token_rewards      the score on the last response token, minus the KL penalty on every token
     sequence_mean      a per-token quantity averaged per sequence, then over sequences (the reward KL)
     whiten             advantages normalised over the valid tokens of all processes
+    advantages         GAE (whitened) or grpo / rloo over each prompt's group of responses
     actor_loss         policy loss - entropy bonus + KL loss, for the configured estimator
-    token_weighted_means, process_share, minibatches, should_evaluate, should_checkpoint
+    token_weighted_means, process_share, repeat_prompts, minibatches, should_evaluate, should_checkpoint
 
 Functions that need statistics of the whole global batch take `reduce_sum`, a function that sums a
 tensor over processes (`lambda t: accelerator.reduce(t, "sum")` in train.py); the default, the identity,
@@ -20,7 +21,7 @@ from typing import Callable
 import torch
 
 from rlhf import core_algos, kl
-from rlhf.config import ActorConfig
+from rlhf.config import ActorConfig, AlgorithmConfig
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
@@ -34,6 +35,13 @@ def process_share(global_indices: list[int], rank: int, world: int) -> list[int]
     """This process's contiguous share of the global batch (validation made the sizes divide)."""
     share = len(global_indices) // world
     return global_indices[rank * share:(rank + 1) * share]
+
+
+def repeat_prompts(rows: dict[str, list], n: int) -> tuple[dict[str, list], torch.Tensor]:
+    """Each prompt n times in a row (its group of responses), and each copy's group id (B * n,): the index of
+    its prompt on this process. Groups stay on the process that holds the prompt."""
+    repeated = {key: [value for value in values for _ in range(n)] for key, values in rows.items()}
+    return repeated, torch.arange(len(next(iter(rows.values())))).repeat_interleave(n)
 
 
 def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl_per_token: torch.Tensor | None = None,
@@ -72,6 +80,28 @@ def whiten(x: torch.Tensor, response_mask: torch.Tensor, reduce_sum: ReduceSum =
     square_sum = reduce_sum(torch.where(valid, (x - mean) ** 2, 0.0).sum())
     var = square_sum / (count - 1).clamp(min=1)  # Bessel's correction, as masked_var
     return torch.where(valid, (x - mean) * torch.rsqrt(var + eps), 0.0)
+
+
+def advantages(cfg: AlgorithmConfig, batch: dict[str, torch.Tensor],
+               reduce_sum: ReduceSum = one_process) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), (B, R), by `cfg.adv_estimator` from the batch's token_rewards (and values and
+    group_ids). GAE's advantages are whitened over all processes (as verl); grpo's and rloo's are already
+    relative to their group, which never straddles processes."""
+    mask = batch["response_mask"]
+    adv, returns = core_algos.ADV_ESTIMATOR_REGISTRY[cfg.adv_estimator](
+        batch["token_rewards"], batch.get("values"), mask, batch.get("group_ids"), cfg.gamma, cfg.lam,
+        cfg.norm_adv_by_std_in_grpo)
+    if cfg.adv_estimator == "gae":
+        adv = whiten(adv, mask, reduce_sum)
+    return adv, returns
+
+
+def groups_with_equal_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> float:
+    """Fraction of the prompt groups (of more than one response) whose responses all got the same score:
+    their grpo/rloo advantages are 0, so they carry no learning signal. 0.0 when there is no such group."""
+    groups = [scores[group_ids == g] for g in torch.unique(group_ids)]
+    groups = [g for g in groups if len(g) > 1]
+    return sum(bool((g == g[0]).all()) for g in groups) / len(groups) if groups else 0.0
 
 
 def token_weighted_means(local_means: dict[str, float], num_tokens: torch.Tensor,

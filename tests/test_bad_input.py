@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import rlhf.setup
 import train
 from rlhf.config import ConfigError, load_config, validate
 
@@ -51,6 +52,11 @@ TABLE = [
      ["data.train_batch_size=30", "actor.ppo_mini_batch_size=16", "divisors of 30: 1, 2, 3, 5, 6, 10, 15, 30"]),
     ("micro does not divide mini", ["actor.ppo_micro_batch_size=5"],
      ["actor.ppo_micro_batch_size=5", "divisors of 16"]),
+    ("micro does not divide mini x n", ["rollout.n=3", "actor.ppo_micro_batch_size=32"],
+     ["actor.ppo_micro_batch_size=32", "rollout.n", "divisors of 48"]),
+    ("unknown advantage estimator", ["algorithm.adv_estimator=ppo"],
+     ["'algorithm.adv_estimator'", "'ppo'", "valid estimators: gae, grpo, rloo"]),
+    ("zero responses per prompt", ["rollout.n=0"], ["'rollout.n'", "got 0", "> 0"]),
     ("zero response length", ["data.max_response_length=0"], ["'data.max_response_length'", "got 0", "> 0"]),
     ("negative prompt length", ["data.max_prompt_length=-8"], ["'data.max_prompt_length'", "got -8", "> 0"]),
     ("missing config file", ["--config", "{tmp}/nope.yaml"], ["nope.yaml", "does not exist", "configs/tiny.yaml"]),
@@ -108,7 +114,7 @@ def check_refusal(name: str, code: int, stdout: str, stderr: str, needles: list[
 @pytest.mark.parametrize("name, argv, needles", TABLE, ids=[row[0] for row in TABLE])
 def test_bad_input_is_refused_early_and_clearly(bad_files, name, argv, needles, monkeypatch, capsys):
     """The whole table through `train.cli`, the function `python train.py` runs, in this process."""
-    monkeypatch.setattr(train, "prepare_data_and_models", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(rlhf.setup, "prepare_data_and_models", lambda *a: pytest.fail("a model was loaded"))
     code = train.cli([a.replace("{tmp}", bad_files) for a in argv])
     out, err = capsys.readouterr()
     check_refusal(name, code, out, err, needles, bad_files)
@@ -157,13 +163,13 @@ def test_suspicious_settings_warn_once_before_models_load(tmp_path, monkeypatch,
     def no_models(cfg, accelerator):
         raise Stop
 
-    monkeypatch.setattr(train, "prepare_data_and_models", no_models)
+    monkeypatch.setattr(rlhf.setup, "prepare_data_and_models", no_models)
     cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "trainer.logger=none", "actor.use_kl_loss=true",
                              "actor.kl_loss_type=k1", "algorithm.kl_penalty=k3", "rollout.top_p=0.9",
-                             "algorithm.kl_ctrl.kl_coef=0"])
+                             "algorithm.kl_ctrl.kl_coef=0", "algorithm.adv_estimator=grpo"])
     with pytest.raises(Stop):
         train.main(cfg)
     out = capsys.readouterr().out
     for needle in ("zero expected gradient; this does not regularise", "biased gradient", "rollout.top_p=0.9",
-                   "kl_coef=0: the penalty does nothing"):
+                   "kl_coef=0: the penalty does nothing", "rollout.n=1: every group is one response"):
         assert out.count(needle) == 1, (needle, out)

@@ -7,17 +7,21 @@ import torch
 
 from rlhf import core_algos
 from rlhf.core_algos import (
+    ADV_ESTIMATORS,
     LOSS_AGG_MODES,
     agg_loss,
+    check_adv_estimator,
     check_loss_agg_mode,
     compute_gae,
     entropy_from_logits,
     explained_variance,
+    group_outcome_advantages,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
+    needs_critic,
     policy_loss,
     value_loss,
 )
@@ -351,3 +355,73 @@ def test_explained_variance():
     constant = torch.ones(1, 4)
     assert explained_variance(constant, constant, mask) == 1.0
     assert explained_variance(torch.tensor([[0.0, 1.0, 0.0, 0.0]]), constant, mask) == 0.0
+
+
+# --- critic-free advantages (grpo, rloo) --------------------------------------------------------------------
+
+
+def _scores_as_rewards(scores, mask):
+    """Token rewards whose valid-token sum per row is `scores` (split over two tokens where there are two)."""
+    rewards = torch.zeros(mask.shape)
+    for i, score in enumerate(scores):
+        valid = mask[i].nonzero().flatten()
+        rewards[i, valid[0]] = score / 2 if len(valid) > 1 else score
+        if len(valid) > 1:
+            rewards[i, valid[-1]] = score / 2
+    rewards[~mask.bool()] = 77.0  # padding holds garbage, which must not count
+    return rewards
+
+
+# Rows: a group of 3 (id 5), a group of 2 (id 1), a group of one (id 9), a group of 2 with equal scores (id 4).
+GROUP_IDS = torch.tensor([5, 1, 5, 9, 5, 1, 4, 4])
+GROUP_SCORES = torch.tensor([1.0, 0.0, 0.0, 0.7, 1.0, 2.0, 1.0, 1.0])
+GROUP_MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+
+
+def test_grpo_advantages_by_hand():
+    rewards = _scores_as_rewards(GROUP_SCORES, GROUP_MASK)
+    advantages, returns = group_outcome_advantages(rewards, GROUP_MASK, GROUP_IDS, "grpo")
+    # group 5: scores 1, 0, 1 -> mean 2/3, unbiased std sqrt(1/3); group 1: 0, 2 -> mean 1, std sqrt(2);
+    # group 9 alone: the score 0.7; group 4: equal scores -> 0.
+    s3, s2 = math.sqrt(1 / 3) + 1e-6, math.sqrt(2) + 1e-6
+    expected = torch.tensor([(1 / 3) / s3, -1 / s2, (-2 / 3) / s3, 0.7, (1 / 3) / s3, 1 / s2, 0.0, 0.0])
+    torch.testing.assert_close(advantages, torch.where(GROUP_MASK.bool(), expected[:, None], 0.0))
+    assert torch.equal(returns, advantages)
+    dr_grpo, _ = group_outcome_advantages(rewards, GROUP_MASK, GROUP_IDS, "grpo", norm_by_std=False)
+    expected = torch.tensor([1 / 3, -1.0, -2 / 3, 0.7, 1 / 3, 1.0, 0.0, 0.0])
+    torch.testing.assert_close(dr_grpo, torch.where(GROUP_MASK.bool(), expected[:, None], 0.0))
+
+
+def test_rloo_advantages_by_hand():
+    rewards = _scores_as_rewards(GROUP_SCORES, GROUP_MASK)
+    advantages, _ = group_outcome_advantages(rewards, GROUP_MASK, GROUP_IDS, "rloo")
+    # score minus the mean of the group's other scores; alone: the score
+    expected = torch.tensor([1 - 0.5, 0 - 2, 0 - 1, 0.7, 1 - 0.5, 2 - 0, 0.0, 0.0])
+    torch.testing.assert_close(advantages, torch.where(GROUP_MASK.bool(), expected[:, None], 0.0))
+
+
+def test_group_advantages_match_a_loop_over_groups_on_random_data():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (40,), generator=gen)
+    mask = (torch.rand(40, 5, generator=gen) > 0.3).long()
+    mask[:, 0] = 1
+    rewards = torch.randn(40, 5, generator=gen)
+    grpo, _ = group_outcome_advantages(rewards, mask, ids, "grpo")
+    rloo, _ = group_outcome_advantages(rewards, mask, ids, "rloo")
+    scores = (rewards * mask).sum(1)
+    for g in ids.unique():
+        rows = (ids == g).nonzero().flatten()
+        group = scores[rows]
+        for j, i in enumerate(rows):
+            others = torch.cat([group[:j], group[j + 1:]])
+            want_grpo = (group[j] - group.mean()) / (group.std() + 1e-6) if len(rows) > 1 else group[j]
+            want_rloo = group[j] - others.mean() if len(rows) > 1 else group[j]
+            assert grpo[i, 0].item() == pytest.approx(want_grpo.item(), abs=1e-5)
+            assert rloo[i, 0].item() == pytest.approx(want_rloo.item(), abs=1e-5)
+
+
+def test_advantage_estimators_are_a_registry_with_clear_errors():
+    assert ADV_ESTIMATORS == ("gae", "grpo", "rloo")
+    assert needs_critic("gae") and not needs_critic("grpo") and not needs_critic("rloo")
+    with pytest.raises(ValueError, match="unknown advantage estimator 'reinforce'; valid estimators: gae, grpo, rloo"):
+        check_adv_estimator("reinforce")

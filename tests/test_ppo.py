@@ -174,6 +174,21 @@ def test_minibatches_cover_the_batch_once_per_epoch_in_an_order_fixed_by_seed_an
     assert epochs[0].tolist() != epochs[2].tolist()  # a fresh permutation per epoch
 
 
+def test_repeat_prompts_keeps_each_prompts_group_together():
+    rows = {"input_ids": [[1], [2, 3]], "ground_truth": ["4", "5"]}
+    repeated, group_ids = ppo.repeat_prompts(rows, 3)
+    assert repeated == {"input_ids": [[1], [1], [1], [2, 3], [2, 3], [2, 3]], "ground_truth": ["4"] * 3 + ["5"] * 3}
+    assert group_ids.tolist() == [0, 0, 0, 1, 1, 1]
+    assert ppo.repeat_prompts(rows, 1)[0] == rows and ppo.repeat_prompts(rows, 1)[1].tolist() == [0, 1]
+
+
+def test_groups_with_equal_scores_counts_groups_without_signal():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5])
+    group_ids = torch.tensor([0, 0, 1, 1, 2, 2, 3])  # equal, mixed, equal, alone (not a group)
+    assert ppo.groups_with_equal_scores(scores, group_ids) == pytest.approx(2 / 3)
+    assert ppo.groups_with_equal_scores(scores[-1:], group_ids[-1:]) == 0.0
+
+
 def test_process_share_splits_the_global_batch_in_order():
     indices = [5, 3, 9, 1, 0, 2]
     assert [ppo.process_share(indices, rank, 3) for rank in range(3)] == [[5, 3], [9, 1], [0, 2]]
@@ -203,6 +218,9 @@ CASES = {
     # k3+ with the off-policy correction (the tokens are off-policy after the first optimizer step)
     "loss_k3+_corrected": ["algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+",
                            "actor.kl_loss_off_policy_correction=true", "actor.kl_loss_coef=5.0"],
+    # grpo: two responses per prompt, no critic, k3 in the loss (GRPO's recipe) and k1 in the reward
+    "grpo": ["algorithm.adv_estimator=grpo", "rollout.n=2", "algorithm.use_kl_in_reward=true",
+             "algorithm.kl_penalty=k1", "actor.use_kl_loss=true", "actor.kl_loss_type=k3"],
     # k3 in the loss only, Dr. GRPO's constant normaliser, no clipping (it would hide the normaliser's scale)
     "loss_k3": ["algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true", "actor.kl_loss_type=k3",
                 "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.grad_clip=1e6", "critic.grad_clip=1e6"],
@@ -235,10 +253,13 @@ def setup_run(artifacts, tmp_path):
         with torch.no_grad():
             for p in actor.parameters():
                 p.add_(0.05 * torch.randn_like(p))
-            critic.score.weight.normal_(std=0.1)
-        rows = train_set[list(range(cfg.data.train_batch_size))]
+            if critic is not None:
+                critic.score.weight.normal_(std=0.1)
+        rows, group_ids = ppo.repeat_prompts(train_set[list(range(cfg.data.train_batch_size))], cfg.rollout.n)
         batch = train.rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, Timer())
-        batch["scores"] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])  # the tiny model scores 0
+        batch["group_ids"] = group_ids
+        # The tiny model scores 0: scores by hand, with every kind of group (mixed, all 0, all 1) when n > 1.
+        batch["scores"] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0] * cfg.rollout.n)
         return cfg, accelerator, (actor, critic, ref), tokenizer, rows, batch
 
     return make
@@ -253,10 +274,17 @@ def reference_update(cfg, actor, critic, ref, batch, kl_coef: float, step: int):
     if a.use_kl_in_reward:
         reward_kl = batch["full_kl"] if a.kl_penalty == "full" else kl.kl_penalty(old, ref_lp, a.kl_penalty)
         rewards = rewards - kl_coef * reward_kl * mask
-    advantages, returns = core_algos.compute_gae(rewards, batch["values"], mask, a.gamma, a.lam)
-    advantages = core_algos.masked_whiten(advantages, mask)
-    actor_opt, critic_opt = sgd(actor), sgd(critic)
-    for index in ppo.minibatches(len(mask), ac.ppo_mini_batch_size, ac.ppo_epochs, cfg.trainer.seed, step):
+    if a.adv_estimator == "gae":
+        advantages, returns = core_algos.compute_gae(rewards, batch["values"], mask, a.gamma, a.lam)
+        advantages = core_algos.masked_whiten(advantages, mask)
+    else:  # grpo: each response's summed reward against its prompt's group (mean, unbiased std)
+        totals = (rewards * mask).sum(1)
+        group = [totals[batch["group_ids"] == g] for g in batch["group_ids"]]
+        advantages = torch.stack([(t - g.mean()) / (g.std() + 1e-6) for t, g in zip(totals, group)])
+        advantages = advantages[:, None] * mask
+    actor_opt, critic_opt = sgd(actor), critic and sgd(critic)
+    mini_size = ac.ppo_mini_batch_size * cfg.rollout.n
+    for index in ppo.minibatches(len(mask), mini_size, ac.ppo_epochs, cfg.trainer.seed, step):
         mb = {k: v[index] for k, v in batch.items()}
         m = mb["response_mask"]
         logprobs, logits = logprobs_and_logits(actor, mb, temperature)
@@ -271,10 +299,12 @@ def reference_update(cfg, actor, critic, ref, batch, kl_coef: float, step: int):
                 old_logprob = mb["old_logprobs"] if ac.kl_loss_off_policy_correction else None
                 kl_mat = kl.kl_penalty(logprobs, mb["ref_logprobs"], ac.kl_loss_type, old_logprob=old_logprob)
             loss = loss + ac.kl_loss_coef * core_algos.agg_loss(kl_mat, m, ac.loss_agg_mode)
-        vf_loss = core_algos.value_loss(response_values(critic, mb), mb["values"], returns[index], m,
-                                        cfg.critic.cliprange_value, ac.loss_agg_mode)[0]
-        for model, opt, objective, clip in ((actor, actor_opt, loss, ac.grad_clip),
-                                            (critic, critic_opt, vf_loss, cfg.critic.grad_clip)):
+        learners = [(actor, actor_opt, loss, ac.grad_clip)]
+        if critic is not None:
+            vf_loss = core_algos.value_loss(response_values(critic, mb), mb["values"], returns[index], m,
+                                            cfg.critic.cliprange_value, ac.loss_agg_mode)[0]
+            learners.append((critic, critic_opt, vf_loss, cfg.critic.grad_clip))
+        for model, opt, objective, clip in learners:
             objective.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
@@ -290,14 +320,17 @@ def test_update_reaches_the_weights_of_the_reference_ppo(setup_run, case):
                                      cfg.algorithm.kl_ctrl.horizon)
     reference_update(cfg, expected_actor, expected_critic, ref, dict(batch), kl_ctrl.value, step=3)
 
-    start = weights(actor), weights(critic)
-    actor_opt, critic_opt = sgd(actor), sgd(critic)
-    prepared = accelerator.prepare(actor, critic, actor_opt, critic_opt)
-    metrics, skipped = train.update(cfg, accelerator, (prepared[0], prepared[1], ref), prepared[2:], dict(batch),
-                                    kl_ctrl, step=3, timer=Timer())
+    learners = [(actor, expected_actor)] + ([(critic, expected_critic)] if critic is not None else [])
+    start = [weights(model) for model, _ in learners]
+    prepared = accelerator.prepare(*[model for model, _ in learners], *[sgd(model) for model, _ in learners])
+    half = len(prepared) // 2
+    models = (prepared[0], prepared[1] if half == 2 else None, ref)
+    optimizers = (prepared[half], prepared[3] if half == 2 else None)
+    metrics, skipped = train.update(cfg, accelerator, models, optimizers, dict(batch), kl_ctrl, step=3, timer=Timer())
 
     assert skipped == 0
-    for model, expected, before in ((actor, expected_actor, start[0]), (critic, expected_critic, start[1])):
+    assert ("critic/vf_loss" in metrics) == (critic is not None)
+    for (model, expected), before in zip(learners, start):
         moved = (weights(expected) - before).abs().max().item()
         assert moved > 1e-4  # ~100x the tolerance, so the comparison means something
         torch.testing.assert_close(weights(model), weights(expected), rtol=1e-5, atol=1e-6)
@@ -343,8 +376,13 @@ def test_batch_metrics_are_the_batch_numbers(setup_run):
     mask = batch["response_mask"]
     batch["token_rewards"] = ppo.token_rewards(batch["scores"], mask, torch.full(mask.shape, 0.1), 1.0)
     batch["returns"] = batch["values"] + 1
+    batch["advantages"] = torch.where(mask.bool(), torch.arange(mask.numel()).reshape(mask.shape).float(), 99.0)
     metrics = train.batch_metrics(cfg, accelerator, batch, tokenizer.eos_token_id)
     lengths = mask.sum(1).float()
+    valid = batch["advantages"][mask.bool()]
+    assert (metrics["critic/advantages/min"], metrics["critic/advantages/max"]) == (valid.min(), valid.max())
+    assert metrics["critic/advantages/mean"] == pytest.approx(valid.mean().item())
+    assert "critic/groups_with_equal_scores" not in metrics  # one response per prompt: no groups
     assert metrics["critic/score/mean"] == pytest.approx(0.5)
     assert metrics["critic/rewards/mean"] == pytest.approx((batch["scores"] - 0.1 * lengths).mean().item(), rel=1e-5)
     assert metrics["response_length/mean"] == pytest.approx(lengths.mean().item())
@@ -362,3 +400,27 @@ def test_optimizers_take_each_models_settings(setup_run):
     assert [(g["lr"], g["weight_decay"]) for g in critic_opt.param_groups] == [(2e-3, 0.01)]
     assert actor_opt.param_groups[0]["params"] == list(actor.parameters())
     assert critic_opt.param_groups[0]["params"] == list(critic.parameters())
+
+
+def test_train_step_samples_each_prompts_group_on_one_process(artifacts, tmp_path, monkeypatch):
+    """rollout.n responses per prompt, in a row, with the prompt's group id, and advantages taken per group."""
+    cfg = load_config(None, tiny_overrides(artifacts, str(tmp_path), "rollout.n=3", "algorithm.adv_estimator=rloo",
+                                           "actor.ppo_micro_batch_size=3", "trainer.logger=none"))
+    accelerator = Accelerator(cpu=True)
+    run = rlhf.setup.setup(cfg, accelerator)
+    seen = {}
+    original = ppo.advantages
+
+    def spy(algorithm, batch, reduce_sum):
+        seen.update(batch)
+        return original(algorithm, batch, reduce_sum)
+
+    monkeypatch.setattr(ppo, "advantages", spy)
+    metrics, _, _ = train.train_step(cfg, accelerator, run, step=1, timer=Timer())
+    assert seen["group_ids"].tolist() == [g for g in range(8) for _ in range(3)]
+    prompts = seen["prompt_ids"].reshape(8, 3, -1)
+    assert (prompts == prompts[:, :1]).all()  # the three responses of a group answer the same prompt
+    assert len({tuple(p[0].tolist()) for p in prompts}) == 8
+    assert run.models[1] is None and "critic/vf_loss" not in metrics and "critic/vf_explained_var" not in metrics
+    assert 0.0 <= metrics["critic/groups_with_equal_scores"] <= 1.0
+

@@ -166,12 +166,12 @@ class Killed(BaseException):
 def test_a_kill_while_saving_leaves_nothing_that_resume_would_pick(artifacts, reference, tmp_path, monkeypatch):
     original = train.save_checkpoint
 
-    def dies_while_saving_step_3(accelerator, output_dir, step, keep):
+    def dies_while_saving_step_3(accelerator, output_dir, step, keep, info=None):
         if step == 3:  # write the checkpoint's files, then die before the rename
             accelerator.save_state(os.path.join(output_dir, "checkpoints", "step_3.tmp"))
             os.remove(os.path.join(output_dir, "checkpoints", "step_3.tmp", "optimizer_1.bin"))
             raise Killed
-        return original(accelerator, output_dir, step, keep)
+        return original(accelerator, output_dir, step, keep, info)
 
     monkeypatch.setattr(train, "save_checkpoint", dies_while_saving_step_3)
     out = str(tmp_path / "run")

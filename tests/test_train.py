@@ -119,3 +119,39 @@ def test_reference_is_frozen_during_training(artifacts, tmp_path, monkeypatch):
     assert torch.equal(weights(seen["ref"]), seen["ref_start"])
     assert not any(p.requires_grad for p in seen["ref"].parameters())  # no gradient is ever kept for it
     assert not torch.equal(weights(seen["actor"]), seen["actor_start"])
+
+
+CRITIC_METRICS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var", "critic/grad_norm",
+                  "timing_s/values", "timing_s/update_critic"]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_critic_free_estimators_run_resume_and_refuse_another_estimators_checkpoint(artifacts, tmp_path, estimator,
+                                                                                   capsys):
+    """No critic is built, logged or checkpointed; resuming from step 1 reproduces step 2 of the uninterrupted
+    run; a gae run refuses the checkpoint, before any model loads, naming both estimators."""
+    extra = [f"algorithm.adv_estimator={estimator}", "rollout.n=2", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+",
+             "algorithm.use_kl_in_reward=false", "trainer.logger=none", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=5"]
+    out = str(tmp_path / "full")
+    _, rows = run(artifacts, out, *extra)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert not [key for key in CRITIC_METRICS if key in row]
+        assert row["critic/advantages/min"] <= row["critic/advantages/mean"] <= row["critic/advantages/max"]
+        assert 0.0 <= row["critic/groups_with_equal_scores"] <= 1.0 and math.isfinite(row["actor/kl_loss"])
+    step_1 = os.path.join(out, "checkpoints", "step_1")
+    assert sorted(f for f in os.listdir(step_1) if "model" in f or "optimizer" in f) == ["model.safetensors",
+                                                                                        "optimizer.bin"]
+
+    resumed = str(tmp_path / "resumed")
+    _, again = run(artifacts, resumed, *extra, f"trainer.resume_from={step_1}")
+    assert again[-1]["step"] == 2
+    for key, value in rows[-1].items():
+        if not key.startswith(("timing_s/", "perf/")):
+            assert again[-1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+    code = train.cli(tiny_overrides(artifacts, str(tmp_path / "gae"), "trainer.logger=none",
+                                    f"trainer.resume_from={step_1}"))
+    err = capsys.readouterr().err
+    assert code == 2 and f"algorithm.adv_estimator={estimator}" in err and "algorithm.adv_estimator=gae" in err
+
