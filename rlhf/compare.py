@@ -58,6 +58,10 @@ DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.yaml")
 # direction (k3); and no KL. configs/sweeps/kl_estimators.yaml holds the same list (a test checks).
 DEFAULT_GRID = ("no-kl", "reward:k1", "reward:k3", "reward:full",
                 "loss:k1", "loss:k2", "loss:k3", "loss:k3+", "loss:full")
+# `--grid grpo`: the same estimators under GRPO (configs/tiny_grpo.yaml), where the KL goes in the loss.
+GRPO_GRID = ("no-kl", "loss:k1", "loss:k3", "loss:k3+", "loss:k2", "loss:full")
+GRIDS = {"ppo": (DEFAULT_GRID, DEFAULT_CONFIG, "outputs/kl_estimators"),
+         "grpo": (GRPO_GRID, os.path.join(REPO_ROOT, "configs", "tiny_grpo.yaml"), "outputs/kl_estimators_grpo")}
 # Chosen so the default grid (one seed), warm start included, finishes well within 30 minutes on 2 CPU cores.
 # Measured on 2026-11-30 on this project's 2-core CPU machine, nothing else running (README.md, "A real run"
 # and the first command's timing): `python -m rlhf.compare --steps 20 --offline`, the 9 runs with the warm
@@ -67,7 +71,6 @@ DEFAULT_GRID = ("no-kl", "reward:k1", "reward:k3", "reward:full",
 # `--seeds N` multiplies the grid's part by N. Re-time it when tiny.yaml changes; configs/sweeps/
 # kl_estimators.yaml uses the same number (a test checks).
 DEFAULT_STEPS = 20
-DEFAULT_OUTPUT_DIR = "outputs/kl_estimators"
 REPORT_NAME = "kl_estimators"  # -> kl_estimators.png, kl_estimators.md
 PLACEMENTS = ("reward", "loss", "loss-corrected")
 
@@ -664,17 +667,21 @@ def write_report(directory: str, status: dict[str, str] | None = None) -> tuple[
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rlhf.compare", description=__doc__.split("\n\n")[0],
-        epilog=f"default grid ({len(DEFAULT_GRID)} runs): {' '.join(DEFAULT_GRID)}\n"
+        epilog=f"grid ppo, the default ({len(DEFAULT_GRID)} runs, configs/tiny.yaml): {' '.join(DEFAULT_GRID)}\n"
+               f"grid grpo ({len(GRPO_GRID)} runs, configs/tiny_grpo.yaml): {' '.join(GRPO_GRID)}\n"
                "estimators: any of train.py's (k1/kl, k2/mse, k3/low_var_kl, abs, X+, full).\n"
                "report: per run, the mean over seeds with its 95% interval (Student t) of the final exact KL,\n"
                "the final val/accuracy, the mean reward and each estimator's bias; differences to no-kl are\n"
                "marked resolved when the 95% intervals do not overlap (see kl_estimators.md).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     grid = parser.add_argument_group("the grid")
-    grid.add_argument("--runs", nargs="+", metavar="RUN", default=list(DEFAULT_GRID),
-                      help=f"runs to make, each reward:<estimator>, loss:<estimator>, loss-corrected:<estimator> "
-                           f"or no-kl (default: the {len(DEFAULT_GRID)}-run grid below)")
-    grid.add_argument("--config", default=DEFAULT_CONFIG, help="base config (default: configs/tiny.yaml)")
+    grid.add_argument("--grid", choices=GRIDS, default="ppo",
+                      help="which default runs, config and output dir: ppo (GAE with a critic, configs/tiny.yaml) "
+                           "or grpo (configs/tiny_grpo.yaml); see below (default: %(default)s)")
+    grid.add_argument("--runs", nargs="+", metavar="RUN", default=None,
+                      help="runs to make, each reward:<estimator>, loss:<estimator>, loss-corrected:<estimator> "
+                           "or no-kl (default: the grid's, below)")
+    grid.add_argument("--config", default=None, help="base config (default: the grid's)")
     grid.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                       help="PPO steps per run, trainer.total_steps (default: %(default)s)")
     grid.add_argument("--kl-coef", type=float, default=None,
@@ -689,9 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     grid.add_argument("overrides", nargs="*", metavar="key=value",
                       help="extra train.py overrides applied to every run, e.g. data.train_batch_size=32")
     out = parser.add_argument_group("output")
-    out.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+    out.add_argument("--output-dir", default=None,
                      help="runs go to <dir>/<run>/ (<dir>/<run>/seed<s>/ with --seeds N > 1), the report to "
-                          "<dir>/kl_estimators.{png,md} (default: %(default)s)")
+                          "<dir>/kl_estimators.{png,md} (default: the grid's, outputs/kl_estimators[_grpo])")
     out.add_argument("--cache-dir", default=None,
                      help="trainer.cache_dir shared by all runs (default: the config's, else <output-dir>/cache)")
     out.add_argument("--group", default=None, help="wandb group of the runs (default: kl-estimators-<date-time>)")
@@ -706,6 +713,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    grid_runs, grid_config, grid_output_dir = GRIDS[args.grid]
+    args.runs = list(grid_runs) if args.runs is None else args.runs
+    args.config = args.config or grid_config
+    args.output_dir = args.output_dir or grid_output_dir
     if args.report_only:
         png, md = write_report(args.report_only)
         print(f"report: {png}\n        {md}")

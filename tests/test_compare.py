@@ -80,6 +80,19 @@ def test_overrides_after_runs_are_not_taken_for_runs(stub_trainer, tmp_path):
     assert compare.last_step(str(out / "no-kl")) == 2
 
 
+def test_grpo_grid_runs_the_loss_estimators_on_the_grpo_config(stub_trainer, tmp_path):
+    out = tmp_path / "cmp"
+    compare.main(["--grid", "grpo", "--output-dir", str(out), "--cache-dir", str(tmp_path), "--no-wandb",
+                  "--steps", "2"])  # the stub trainer fails loss:k3 on purpose
+    dirs = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name != "cache")
+    assert dirs == sorted(compare.Arm.parse(run).dirname for run in compare.GRPO_GRID)
+    for name in dirs:
+        command = (out / name / "train.log").read_text().splitlines()[0]
+        assert f"--config {compare.GRIDS['grpo'][1]}" in command
+    grpo = load_config(compare.GRIDS["grpo"][1])
+    assert grpo.algorithm.adv_estimator == "grpo" and grpo.rollout.n > 1 and not grpo.algorithm.use_kl_in_reward
+
+
 def test_extra_overrides_come_last_and_win():
     cfg = arm_config(compare.Arm.parse("loss:k2"), "actor.kl_loss_coef=0.5", "trainer.total_steps=2")
     assert cfg.actor.kl_loss_coef == 0.5 and cfg.trainer.total_steps == 2
