@@ -117,7 +117,7 @@ class TrainerConfig:
     total_steps: int = 100  # PPO steps (one rollout batch each)
     output_dir: str = "outputs/run"  # metrics.jsonl, the resolved config, checkpoints, wandb files
     cache_dir: str | None = None  # where the embedded default's warm start is cached; None = <output_dir>/embedded
-    seed: int = 42
+    seed: int = 42  # seeds sampling, mini-batch order and the prompt order (+ process index for sampling)
     project_name: str = "rlhf-kl"  # wandb project
     experiment_name: str = "ppo"  # wandb run name
     group: str | None = None  # wandb group (runs to compare side by side); None = project default
@@ -305,6 +305,29 @@ def _parse_number(text: str, kind: type) -> Any:
         return kind(text)
     except ValueError:
         return text  # left as a string: the type check below names it
+
+
+def config_table() -> str:
+    """The README's table of config keys: `| key | default | meaning |`, from the dataclasses above and the
+    comment on each field's line (`python -c "from rlhf.config import config_table; print(config_table())"`)."""
+    import inspect
+    import re
+
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+
+    def walk(cls: type, prefix: str) -> None:
+        comments = dict(re.findall(r"^    (\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), flags=re.M))
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if dataclasses.is_dataclass(default):
+                walk(type(default), f"{prefix}{f.name}.")
+                continue
+            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+            meaning = comments.get(f.name, "").replace("|", "\\|")
+            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {meaning} |")
+
+    walk(Config, "")
+    return "\n".join(rows)
 
 
 # ----------------------------------------------------------------------------- validation

@@ -1,8 +1,10 @@
 """The typed config: defaults, YAML, dotted overrides, and early rejection of bad values."""
 
+import os
+
 import pytest
 
-from rlhf.config import Config, ConfigError, load_config, warnings_for
+from rlhf.config import Config, ConfigError, config_table, load_config, warnings_for
 
 
 def write(tmp_path, text, name="c.yaml"):
@@ -102,3 +104,10 @@ def test_yaml_boolean_words_in_text_fields(tmp_path):
         load_config(str(path))
     path.write_text("trainer:\n  mixed_precision: 'no'\n")
     assert load_config(str(path)).trainer.mixed_precision == "no"
+
+
+def test_readme_config_table_is_the_schema():
+    """The README's table of keys is config_table(): a key added, removed or re-documented shows up here."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    assert config_table() in readme
+    assert "| `algorithm.adv_estimator` | `gae` |" in config_table()

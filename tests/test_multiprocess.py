@@ -69,11 +69,11 @@ def parity_score(response, ground_truth, method="strict"):
     return float(int(ground_truth) % 2 == 0)
 
 
-def overrides(artifacts, output_dir, loss_agg_mode) -> list[str]:
+def overrides(artifacts, output_dir, loss_agg_mode, *extra) -> list[str]:
     return tiny_overrides(artifacts, output_dir, f"data.max_val_samples={NUM_VAL}", "actor.ppo_mini_batch_size=8",
                           "actor.ppo_epochs=2", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true",
                           "actor.kl_loss_type=k3+", f"actor.loss_agg_mode={loss_agg_mode}", "rollout.top_k=1",
-                          f"trainer.total_steps={NUM_STEPS}", "trainer.logger=none")
+                          f"trainer.total_steps={NUM_STEPS}", "trainer.logger=none", *extra)
 
 
 def free_port() -> int:
@@ -82,9 +82,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# token-mean normalises by the global mini-batch's tokens, seq-mean-token-mean by its sequences.
-@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
-def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, loss_agg_mode):
+# token-mean normalises by the global mini-batch's tokens, seq-mean-token-mean by its sequences. grpo: two
+# responses per prompt, grouped on the prompt's process, no critic. (With top_k=1 a group's responses are
+# identical, so its advantages are 0: this case checks the critic-free path and the batch arithmetic with
+# rollout.n under two processes, the KL loss and entropy gradients; the group statistics are checked by hand
+# in tests/test_core_algos.py and tests/test_ppo.py.)
+CASES = {"token-mean": ("token-mean",), "seq-mean-token-mean": ("seq-mean-token-mean",),
+         "grpo": ("token-mean", "algorithm.adv_estimator=grpo", "rollout.n=2")}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, case):
     out2, record_dir = tmp_path / "two", tmp_path / "record"
     record_dir.mkdir()
     harness = tmp_path / "harness.py"
@@ -94,14 +102,14 @@ def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, loss_agg
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(free_port())]  # = `accelerate launch ...` with this interpreter
-    result = subprocess.run([*launch, str(harness), *overrides(artifacts, out2, loss_agg_mode)], cwd=REPO, env=env,
+    result = subprocess.run([*launch, str(harness), *overrides(artifacts, out2, *CASES[case])], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "processes: 2" in result.stdout
 
     monkeypatch.setattr(train, "compute_score", parity_score)
     out1 = tmp_path / "one"
-    train.main(load_config(None, overrides(artifacts, out1, loss_agg_mode)))
+    train.main(load_config(None, overrides(artifacts, out1, *CASES[case])))
 
     one, two = read_metrics(out1 / "metrics.jsonl"), read_metrics(out2 / "metrics.jsonl")
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(NUM_STEPS + 1))
@@ -115,9 +123,15 @@ def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, loss_agg
         for key in EXACT:
             if key in a:
                 assert b[key] == pytest.approx(a[key], abs=1e-6), (a["step"], key)
+        assert set(a) == set(b)
         for key in CLOSE:
-            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-7), (a["step"], key, a[key], b[key])
-    assert two[-1]["kl/full"] > 0 and two[-1]["actor/pg_loss"] != 0
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-7), (a["step"], key, a[key], b[key])
+    assert two[-1]["kl/full"] > 0 and two[-1]["actor/kl_loss"] > 0
+    if case == "grpo":
+        assert "critic/vf_loss" not in two[-1] and two[-1]["critic/groups_with_equal_scores"] == 1.0
+    else:
+        assert two[-1]["actor/pg_loss"] != 0
 
     # Only rank 0 writes to the output directory. Rank 1 writes just its RNG state into the checkpoint (with
     # torch's C++ writer, which the record does not see). Both ranks read the data through `datasets`, which

@@ -49,6 +49,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert len(images) == 4  # estimator shapes, gradient bars, the KL panel, the runner's report
     text = json.dumps([o.get("data", {}).get("text/markdown", "") for o in outputs])
     assert "Schulman (2020)" in text and "k3 without clamp" in text  # section 1's table was shown
+    assert "corrected: max error" in text and "| k3+ | detached | +0.965 |" in text  # the off-policy table
     for run in ("reward-k1", "loss-k3+"):  # section 3 trained both runs and logged the KL panel
         rows = [json.loads(line) for line in open(tmp_path / "runs" / run / "metrics.jsonl")]
         assert all(f"kl/{k}" in rows[-1] for k in ("k1", "k2", "k3", "abs", "full"))
