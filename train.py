@@ -5,16 +5,17 @@
         actor.use_kl_loss=true actor.kl_loss_type=k3+ trainer.total_steps=200
 
 One step reads like the algorithm (`train_step`):
-    rollout (sample responses; old, reference log-probs, exact KL and values) -> score (GSM8K rule)
-    -> KL (into the reward and/or the loss) -> advantages (GAE, whitened) -> PPO epochs (clipped actor
-    and critic losses) -> adaptive KL coefficient -> log; `main` adds evaluation and checkpoints.
-The glue's decisions are small functions in `rlhf/ppo.py`, the math in `rlhf/kl` and `rlhf/core_algos.py`.
+    rollout (sample rollout.n responses per prompt; old, reference log-probs, exact KL, values) -> score
+    (GSM8K rule) -> KL (into the reward and/or the loss) -> advantages (GAE whitened, or grpo / rloo over
+    each prompt's group) -> PPO epochs (clipped actor loss, clipped critic loss when there is a critic)
+    -> adaptive KL coefficient -> log; `main` adds evaluation and checkpoints.
+Building the run is `rlhf/setup.py`; the glue's decisions are small functions in `rlhf/ppo.py`, the math
+in `rlhf/kl` and `rlhf/core_algos.py`.
 
 Simplifications against verl, on purpose: one group of processes does everything (our own KV-cache
-decoding loop, `rlhf/rollout.py`, in place of a separate rollout engine), one response per prompt, the
-critic is a separate model with its own optimizer, and the KL panel (`kl/k1` ... `kl/full`, every
-estimator on the same batch) is computed from the rollout's log-probs so runs with different estimators
-can be compared.
+decoding loop, `rlhf/rollout.py`, in place of a separate rollout engine), the critic is a separate model
+with its own optimizer, and the KL panel (`kl/k1` ... `kl/full`, every estimator on the same batch) is
+computed from the rollout's log-probs so runs with different estimators can be compared.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from rlhf.setup import Setup, setup
 from rlhf.tracking import MetricsLogger, Timer, truncate_metrics, wandb_available
 
 
-# ----------------------------------------------------------------------------- one PPO step
+# ----------------------------------------------------------------------------- reductions over processes
 
 
 def mean_over_processes(accelerator, metrics: dict) -> dict[str, float]:
