@@ -90,7 +90,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for pp
 # ppo_step sets OMP_WAIT_POLICY=PASSIVE (unless set) before torch is imported, and puts the repository root
 # on sys.path.
 import ppo_step  # noqa: E402
-from ppo_step import (KL_COEF, LR, MODEL_SIZE, PHASES, PROMPT_WIDTH, QWEN_0_5B_SIZE, RESPONSE_LENGTH,  # noqa: E402
+from ppo_step import (KL_COEF, LR, PHASES, PROMPT_WIDTH, QWEN_0_5B_SIZE, RESPONSE_LENGTH,  # noqa: E402
                       SEED, SETUP, GenerationClock, OursMinimal, OursSide, PhaseTimer, build_workload,
                       count_decode_steps, count_optimizer_steps, load_workload, our_config, sync)
 
@@ -382,19 +382,7 @@ def main() -> None:
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", choices=tuple(SIDE_FACTORIES), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.gpu and not torch.cuda.is_available():
-        sys.exit("--gpu needs a CUDA device; torch sees none")
-    SETUP.model_size = QWEN_0_5B_SIZE if args.gpu else MODEL_SIZE
-    SETUP.bf16 = args.gpu
-    try:
-        import trl
-    except ImportError:
-        sys.exit("TRL is the reference and is not installed: pip install -r requirements-bench.txt")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    trl, transformers = ppo_step.start(args.threads, args.gpu)
     # Noise from the libraries, nothing about the work: transformers 5's renames (TRL calls
     # `is_gradient_checkpointing`), and pin_memory on a machine without an accelerator.
     warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6.*")

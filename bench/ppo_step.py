@@ -590,6 +590,25 @@ PHASES = (("generate", ("gen",)), ("old_logprob", ("old_log_prob",)), ("referenc
           ("values", ("values",)), ("update", ("update_actor", "update_critic", "update")))
 
 
+def start(threads: int, gpu: bool):
+    """What every benchmark here does first: threads, the model size (--gpu: Qwen2.5-0.5B's shape, bf16),
+    TRL present, transformers quiet. Returns the (trl, transformers) modules, for their versions."""
+    torch.set_num_threads(threads)
+    if gpu and not torch.cuda.is_available():
+        sys.exit("--gpu needs a CUDA device; torch sees none")
+    SETUP.model_size = QWEN_0_5B_SIZE if gpu else MODEL_SIZE
+    SETUP.bf16 = gpu
+    try:
+        import trl
+    except ImportError:
+        sys.exit("TRL is the reference and is not installed: pip install -r requirements-bench.txt")
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # load reports of the freshly initialised value heads
+    transformers.logging.disable_progress_bar()
+    return trl, transformers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -605,19 +624,7 @@ def main() -> None:
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", choices=("ours", "trl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.gpu and not torch.cuda.is_available():
-        sys.exit("--gpu needs a CUDA device; torch sees none")
-    SETUP.model_size = QWEN_0_5B_SIZE if args.gpu else MODEL_SIZE
-    SETUP.bf16 = args.gpu
-    try:
-        import trl
-    except ImportError:
-        sys.exit("TRL is the reference and is not installed: pip install -r requirements-bench.txt")
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # load reports of the freshly initialised value heads
-    transformers.logging.disable_progress_bar()
+    trl, transformers = start(args.threads, args.gpu)
     if args.memory_child:
         print(json.dumps(measure_memory_child(args.memory_child, args.workdir)))
         return
