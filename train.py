@@ -47,13 +47,14 @@ from rlhf.tracking import MetricsLogger, Timer, truncate_metrics, wandb_availabl
 
 def mean_over_processes(accelerator, metrics: dict) -> dict[str, float]:
     """Per-process numbers (floats or 0-dim tensors) -> their mean over processes (the maximum for keys
-    ending in /max)."""
+    ending in /max, the minimum for keys ending in /min)."""
     stacked = torch.tensor([float(v) for v in metrics.values()], dtype=torch.float32, device=accelerator.device)
     reduced = accelerator.reduce(stacked, "mean")
-    if any(key.endswith("/max") for key in metrics):
-        maxima = accelerator.gather(stacked[None]).amax(dim=0)
-        reduced = torch.where(torch.tensor([key.endswith("/max") for key in metrics], device=reduced.device),
-                              maxima, reduced)
+    is_max, is_min = ([key.endswith(suffix) for key in metrics] for suffix in ("/max", "/min"))
+    if any(is_max) or any(is_min):
+        gathered = accelerator.gather(stacked[None])  # (processes, keys)
+        reduced = torch.where(torch.tensor(is_max, device=reduced.device), gathered.amax(dim=0), reduced)
+        reduced = torch.where(torch.tensor(is_min, device=reduced.device), gathered.amin(dim=0), reduced)
     return dict(zip(metrics, reduced.tolist()))
 
 
@@ -227,15 +228,14 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_id: int) -> dict[st
         "response_length/mean": lengths.float().mean(),
         "response_length/clip_ratio": clipped.float().mean(),
         "critic/advantages/mean": core_algos.masked_mean(batch["advantages"], mask),
+        "critic/advantages/max": batch["advantages"][mask.bool()].max(),
+        "critic/advantages/min": batch["advantages"][mask.bool()].min(),
     }
     if "values" in batch:
         local["critic/vf_explained_var"] = core_algos.explained_variance(batch["values"], batch["returns"], mask)
     if cfg.rollout.n > 1:
         local["critic/groups_with_equal_scores"] = ppo.groups_with_equal_scores(batch["scores"], batch["group_ids"])
     metrics = mean_over_processes(accelerator, local)
-    valid = batch["advantages"][mask.bool()]
-    extremes = accelerator.gather(torch.stack([valid.max(), -valid.min()])[None]).amax(dim=0)
-    metrics.update({"critic/advantages/max": extremes[0].item(), "critic/advantages/min": -extremes[1].item()})
     if "ref_logprobs" in batch and cfg.trainer.log_kl_panel:
         panel = kl.kl_panel(batch["old_logprobs"], batch["ref_logprobs"], mask)
         panel["kl/full"] = core_algos.masked_mean(batch["full_kl"], mask).item()

@@ -5,7 +5,6 @@ import os
 from rlhf.config import EmbeddedConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_YAML = os.path.join(REPO, "configs", "tiny.yaml")
 
 # The embedded default at test size: a 1-layer, 32-wide Qwen2 and 64 + 16 problems, 5 warm-start steps.
 TINY_EMBEDDED = EmbeddedConfig(num_train=64, num_val=16, hidden_size=32, intermediate_size=64, num_layers=1,

@@ -39,7 +39,7 @@ NUM_STEPS = 3
 NUM_VAL = 7  # odd: the ranks evaluate 4 and 3 problems
 EXACT = ["critic/score/mean", "critic/rewards/mean", "response_length/mean", "val/accuracy"]
 CLOSE = ["actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/reward_kl_penalty", "actor/grad_norm",
-         "actor/importance_ratio/max",
+         "actor/importance_ratio/max", "critic/advantages/max", "critic/advantages/min",
          "critic/grad_norm", "kl/k1", "kl/k2", "kl/k3", "kl/abs", "kl/full"]
 
 HARNESS = '''
