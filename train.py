@@ -30,6 +30,7 @@ from collections import defaultdict
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from rlhf import core_algos, kl, ppo
@@ -38,7 +39,7 @@ from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_step
 from rlhf.config import Config, ConfigError, kl_tags, load_config, to_dict, validate, warnings_for
 from rlhf.rewards.gsm8k import compute_score
 from rlhf.rollout import SamplingParams, generate, left_pad, logprobs_and_logits, response_values, slice_batch
-from rlhf.setup import Setup, setup
+from rlhf.setup import Setup, setup, shard_on_cpu
 from rlhf.tracking import MetricsLogger, Timer, truncate_metrics, wandb_available
 
 
@@ -61,6 +62,14 @@ def mean_over_processes(accelerator, metrics: dict) -> dict[str, float]:
 def sum_over_processes(accelerator):
     """The cross-process sum that rlhf.ppo's functions take as `reduce_sum`."""
     return lambda tensor: accelerator.reduce(tensor, "sum")
+
+
+def stop_rule(accelerator):
+    """generate's `all_finished`: with sharded weights (FSDP) the processes stop together (ppo.stop_together);
+    otherwise (None) each stops when its own sequences have."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return None
+    return ppo.stop_together(sum_over_processes(accelerator))
 
 
 # ----------------------------------------------------------------------------- one PPO step
@@ -90,7 +99,7 @@ def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer) -> 
     params = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p, ignore_eos=r.ignore_eos)
     with timer("gen"):
         batch = generate(accelerator.unwrap_model(actor), tokenizer, prompt_ids.to(accelerator.device),
-                         prompt_mask.to(accelerator.device), params)
+                         prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator))
     need_full = cfg.trainer.log_kl_panel or "full" in (cfg.algorithm.kl_penalty, cfg.actor.kl_loss_type)
     parts = defaultdict(list)
     for index in torch.arange(len(prompt_ids)).split(r.log_prob_micro_batch_size):
@@ -249,15 +258,15 @@ def evaluate(cfg: Config, accelerator, actor, tokenizer, val_set) -> float:
     params = SamplingParams(cfg.data.max_response_length, greedy=True)
     model = accelerator.unwrap_model(actor)
     correct = total = 0
-    with accelerator.split_between_processes(list(range(len(val_set)))) as mine:
-        for start in tqdm(range(0, len(mine), cfg.data.val_batch_size), desc="eval", leave=False,
-                          disable=not accelerator.is_local_main_process):
-            rows = val_set[mine[start:start + cfg.data.val_batch_size]]
-            prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
-            batch = generate(model, tokenizer, prompt_ids.to(accelerator.device),
-                             prompt_mask.to(accelerator.device), params)
-            scores = score_responses(tokenizer, batch, rows["ground_truth"], cfg.data.reward_method)
-            correct, total = correct + scores.sum().item(), total + len(scores)
+    batches = ppo.eval_batches(len(val_set), cfg.data.val_batch_size, accelerator.process_index,
+                               accelerator.num_processes)
+    for mine in tqdm(batches, desc="eval", leave=False, disable=not accelerator.is_local_main_process):
+        rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see ppo.eval_batches)
+        prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
+        batch = generate(model, tokenizer, prompt_ids.to(accelerator.device), prompt_mask.to(accelerator.device),
+                         params, all_finished=stop_rule(accelerator))
+        scores = score_responses(tokenizer, batch, rows["ground_truth"], cfg.data.reward_method)[:len(mine)]
+        correct, total = correct + scores.sum().item(), total + len(scores)
     counts = accelerator.reduce(torch.tensor([correct, total], dtype=torch.float64, device=accelerator.device), "sum")
     return (counts[0] / counts[1].clamp(min=1)).item()
 
@@ -322,6 +331,8 @@ def main(cfg: Config) -> dict[str, float]:
                 metrics.update(timer.metrics())
                 metrics.update({"actor/skipped_updates": skipped,
                                 "perf/throughput": num_tokens / metrics["timing_s/step"] / accelerator.num_processes})
+                if torch.accelerator.is_available():  # verl's name; the peak of this process's device so far
+                    metrics["perf/max_memory_allocated_gb"] = torch.accelerator.max_memory_allocated() / 2**30
                 logger.log(metrics, step=step)
                 progress.set_postfix(score=f"{metrics['critic/score/mean']:.2f}", kl=f"{metrics.get('kl/full', 0):.4f}")
                 if state.bad_steps >= cfg.trainer.max_bad_steps:
@@ -341,14 +352,19 @@ def main(cfg: Config) -> dict[str, float]:
 
 def start_accelerator(cfg: Config) -> Accelerator:
     """The Accelerator, after the checks that need the number of processes; warnings printed once."""
+    launched = int(os.environ.get("WORLD_SIZE", 1))
+    # Several processes and no GPU: run them on the CPU over gloo. (accelerate would set up N copies of a
+    # 1-process run unless told ACCELERATE_USE_CPU=1; this saves the user that step.)
+    on_cpu = launched > 1 and not torch.accelerator.is_available()
     accelerator = Accelerator(
-        log_with="wandb" if cfg.trainer.logger == "wandb" and wandb_available() else None,
+        cpu=on_cpu, log_with="wandb" if cfg.trainer.logger == "wandb" and wandb_available() else None,
         mixed_precision=cfg.trainer.mixed_precision)
-    launched = int(os.environ.get("WORLD_SIZE", accelerator.num_processes))
+    if on_cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        shard_on_cpu(accelerator)
     if launched != accelerator.num_processes:  # else N copies of a 1-process run would write the same files
         raise ConfigError(f"{launched} processes were launched (WORLD_SIZE={launched}) but accelerate set up "
-                          f"{accelerator.num_processes}. With no GPU, run them on the CPU (gloo): "
-                          "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 train.py ...")
+                          f"{accelerator.num_processes}: start them with `accelerate launch` (or torchrun), "
+                          "which sets RANK, LOCAL_RANK and MASTER_ADDR for each process.")
     validate(cfg, num_processes=accelerator.num_processes)  # per-process batch arithmetic
     if cfg.trainer.logger == "wandb" and not wandb_available():
         accelerator.print("warning: wandb is not installed; logging to metrics.jsonl only.")

@@ -92,7 +92,7 @@ class ActorConfig:
     weight_decay: float = 0.0  # AdamW weight decay of the policy
     ppo_epochs: int = 1  # passes over each rollout batch
     ppo_mini_batch_size: int = 16  # prompts per optimizer step, over all processes (x rollout.n responses, as verl)
-    ppo_micro_batch_size: int = 8  # responses per forward/backward on each process
+    ppo_micro_batch_size: int = 8  # responses per forward/backward on each process (at most its mini-batch share)
     clip_ratio: float = 0.2  # PPO epsilon
     clip_ratio_c: float = 3.0  # dual-clip constant (Ye et al. 2020), > 1
     entropy_coeff: float = 0.0  # entropy bonus weight
@@ -404,7 +404,9 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
     _divides("actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, "data.train_batch_size", d.train_batch_size)
     _divides("number of processes", num_processes, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size)
     per_process_mini = ac.ppo_mini_batch_size // num_processes * r.n
-    _divides("actor.ppo_micro_batch_size", ac.ppo_micro_batch_size,
+    # A micro-batch larger than the process's share of the mini-batch is that share, in one pass: a config
+    # runs unchanged on more processes.
+    _divides("actor.ppo_micro_batch_size", min(ac.ppo_micro_batch_size, per_process_mini),
              "actor.ppo_mini_batch_size per process x rollout.n", per_process_mini)
     if t.resume_from not in (None, "auto") and not os.path.isdir(t.resume_from):
         raise ConfigError(f"trainer.resume_from={t.resume_from!r} is not a directory (use a checkpoint dir or 'auto').")

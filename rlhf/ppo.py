@@ -37,6 +37,22 @@ def process_share(global_indices: list[int], rank: int, world: int) -> list[int]
     return global_indices[rank * share:(rank + 1) * share]
 
 
+def eval_batches(num_rows: int, batch_size: int, rank: int, world: int) -> list[list[int]]:
+    """This process's held-out rows (a contiguous share, the first processes one larger when the sizes do not
+    divide) in batches of at most batch_size. Every process gets the same number of batches, the last ones
+    possibly empty: with sharded weights (FSDP) each forward is collective, so a process that ran out of rows
+    must still take part (it decodes a stand-in row and discards it)."""
+    share = -(-num_rows // world)  # ceil
+    mine = list(range(rank * share, min((rank + 1) * share, num_rows)))
+    return [mine[start:start + batch_size] for start in range(0, share, batch_size)]
+
+
+def stop_together(reduce_sum):
+    """generate's `all_finished` for sharded weights (FSDP): every forward pass is collective, so all processes
+    must decode the same number of tokens. True once the sequences of every process have stopped."""
+    return lambda finished: reduce_sum((~finished).sum()).item() == 0
+
+
 def repeat_prompts(rows: dict[str, list], n: int) -> tuple[dict[str, list], torch.Tensor]:
     """Each prompt n times in a row (its group of responses), and each copy's group id (B * n,): the index of
     its prompt on this process. Groups stay on the process that holds the prompt."""

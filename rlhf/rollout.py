@@ -16,6 +16,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from rlhf.core_algos import logprobs_from_logits
@@ -72,18 +73,22 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> tor
 
 
 def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-             params: SamplingParams) -> dict[str, torch.Tensor]:
+             params: SamplingParams, all_finished=None) -> dict[str, torch.Tensor]:
     """Sample (or greedily decode) one response per left-padded prompt and build the rollout batch.
 
     A plain decoding loop over the model's KV cache, the same passes as `model.generate` (greedy output is
     identical, see tests/test_rollout.py) without its per-token machinery, which costs ~10% of the
-    sampling time of a small model. Stops when every sequence has sampled EOS or after max_new_tokens.
+    sampling time of a small model. Stops when every sequence has sampled EOS or after max_new_tokens;
+    `all_finished((B,) bool finished) -> bool` may widen "every sequence" to other processes' too.
     """
     eos = None if params.ignore_eos else tokenizer.eos_token_id
     # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here).
-    # Its tensors cannot enter autograd, so the tokens are cloned into a normal tensor on the way out.
-    with torch.inference_mode():
-        response_ids = _decode(model, prompt_ids, prompt_mask, params, eos, tokenizer.pad_token_id)
+    # Its tensors cannot enter autograd, so the tokens are cloned into a normal tensor on the way out. Not for
+    # FSDP2-sharded models: the parameters they gather would become inference tensors, which FSDP's later
+    # in-place updates of them refuse.
+    with torch.inference_mode(not isinstance(model, FSDPModule)):
+        response_ids = _decode(model, prompt_ids, prompt_mask, params, eos, tokenizer.pad_token_id,
+                               all_finished or torch.all)
     response_ids = response_ids.clone()
     if eos is None:  # ignore_eos: every sampled token is part of the response
         response_mask = torch.ones_like(response_ids)
@@ -99,7 +104,8 @@ def kv_cache_name(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | None, pad_token_id: int):
+def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | None, pad_token_id: int,
+            all_finished):
     """(B, max_new_tokens) sampled tokens; pad after a sequence's EOS, and for every sequence once all have
     stopped."""
     batch_size, prompt_width = prompt_ids.shape
@@ -120,7 +126,7 @@ def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | N
             token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's EOS
             finished |= token == eos
         tokens.append(token)
-        if t + 1 == params.max_new_tokens or (eos is not None and finished.all()):
+        if t + 1 == params.max_new_tokens or (eos is not None and all_finished(finished)):
             break
         out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :prompt_width + t + 1],
                     position_ids=position_ids[:, -1:] + t + 1, use_cache=True,

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, set_seed
 
 from rlhf import core_algos, kl
 from rlhf.config import Config
@@ -39,7 +39,8 @@ def setup(cfg: Config, accelerator: Accelerator) -> Setup:
     tokenizer, train_set, val_set, actor, critic, ref = prepare_data_and_models(cfg, accelerator)
     accelerator.print(f"train prompts: {len(train_set)}, held-out: {len(val_set)}, "
                       f"actor parameters: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M, "
-                      f"processes: {accelerator.num_processes}, device: {accelerator.device}")
+                      f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value}), "
+                      f"device: {accelerator.device}")
     return build_setup(cfg, accelerator, tokenizer, train_set, val_set, actor, critic, ref)
 
 
@@ -49,16 +50,32 @@ def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val
     # numbers, and the run must not depend on whether it did. Seed + process index: ranks sample differently.
     set_seed(cfg.trainer.seed, device_specific=True)
     actor_opt, critic_opt = build_optimizers(cfg, actor, critic)
-    if critic is None:  # critic-free estimators: nothing of a critic is built, prepared or checkpointed
-        actor, actor_opt = accelerator.prepare(actor, actor_opt)
-    else:
-        actor, critic, actor_opt, critic_opt = accelerator.prepare(actor, critic, actor_opt, critic_opt)
+    # One model and its optimizer per prepare call: FSDP2 takes no more (it rebuilds the optimizer's parameter
+    # list after sharding the model). Critic-free estimators: nothing of a critic is built, prepared or saved.
+    actor, actor_opt = accelerator.prepare(actor, actor_opt)
+    if critic is not None:
+        critic, critic_opt = accelerator.prepare(critic, critic_opt)
     if ref is not None:
         ref = ref.to(accelerator.device)
     kc = cfg.algorithm.kl_ctrl
     return Setup(tokenizer, train_set, val_set, (actor, critic, ref), (actor_opt, critic_opt),
                  PromptSampler(len(train_set), cfg.data.train_batch_size, cfg.trainer.seed),
                  kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon))
+
+
+def shard_on_cpu(accelerator: Accelerator) -> None:
+    """Turn an FSDP launch on CPU processes back into FSDP. accelerate keeps its FSDP plugin only for GPU-like
+    devices: on the CPU it quietly falls back to DDP (AcceleratorState, accelerate 1.15). torch's FSDP2
+    (`fully_shard`) runs on the CPU over gloo, so we set back what accelerate dropped: the plugin, built from
+    the FSDP_* variables `accelerate launch` sets from the config file, and the distributed type (in both of
+    accelerate's shared states: AcceleratorState copies PartialState's on every construction). From there on
+    it is accelerate's own FSDP2 code, the GPU path: `prepare` shards each decoder layer, `save_state` writes
+    sharded checkpoints. tests/test_multiprocess.py runs it with 2 processes."""
+    plugin = FullyShardedDataParallelPlugin()
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def prepare_data_and_models(cfg: Config, accelerator: Accelerator):

@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 import rlhf.setup
 import train
@@ -147,13 +148,27 @@ def test_batch_not_divisible_by_processes_is_refused():
         validate(cfg, num_processes=2)
 
 
+def test_the_embedded_default_fits_several_processes_as_it_is():
+    """The README's multi-process command runs configs/tiny.yaml unchanged: a micro-batch larger than a
+    process's share of the mini-batch is that share (32 responses per micro-batch, 16 per process on 2)."""
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), [])
+    for num_processes in (1, 2, 4):
+        validate(cfg, num_processes=num_processes)
+    with pytest.raises(ConfigError, match=r"divisors of 16"):  # a smaller micro-batch must still divide
+        validate(load_config(os.path.join(REPO, "configs", "tiny.yaml"), ["actor.ppo_micro_batch_size=12"]),
+                 num_processes=2)
+
+
 def test_world_size_without_distributed_setup_is_refused(tmp_path, monkeypatch, capsys):
-    """`accelerate launch --multi_gpu` on a machine without GPUs starts N one-process runs; refuse them."""
+    """Processes that say they are 2 (WORLD_SIZE) but were not started by a launcher would each set up a
+    1-process run writing the same files; refuse them. (Where no GPU is visible, train.py runs a real launch
+    on the CPU: tests/test_multiprocess.py. Here a GPU is pretended, so that path is not taken.)"""
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     code = train.cli([f"trainer.output_dir={tmp_path}", "trainer.logger=none"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "WORLD_SIZE=2" in err and "ACCELERATE_USE_CPU=1" in err
+    assert "WORLD_SIZE=2" in err and "accelerate launch" in err
 
 
 def test_suspicious_settings_warn_once_before_models_load(tmp_path, monkeypatch, capsys):

@@ -1,15 +1,18 @@
-"""Two processes on CPU (gloo) against one process, on the same global batch.
+"""Two processes on CPU (gloo) against one process, on the same global batch: data parallel (DDP) and
+sharded (FSDP2, through configs/accelerate/fsdp.yaml).
 
-    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 train.py ...
+    accelerate launch --multi_gpu --num_processes 2 train.py ...
+    accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 2 --mixed_precision no train.py ...
 
-(`--cpu --num_processes 2` starts one process: accelerate's CPU launcher expects mpirun; `--multi_gpu`
-starts torchrun, and ACCELERATE_USE_CPU=1 makes each process join a gloo group on the CPU.)
+(With no GPU, train.py runs the processes on the CPU over gloo itself, as ACCELERATE_USE_CPU=1 would; for
+FSDP it also restores the FSDP setup that accelerate drops on the CPU: rlhf.setup.shard_on_cpu.)
 
 What must hold: the global batch is split across the ranks; metrics are reduced over the ranks (not rank
 0's share); evaluation covers the held-out set exactly once; only rank 0 writes files (each rank writes
-its own RNG state into a checkpoint, which resume needs). The two runs must agree: losses and `kl/*`
-within a relative 1e-3 (measured: ~1e-4 at worst, from summing in a different order), scores, lengths
-and accuracies exactly.
+its own RNG state into a checkpoint, which resume needs; with FSDP each also writes its shards). The two
+runs must agree: losses and `kl/*` within a relative 1e-3 (measured: ~1e-4 at worst, from summing in a
+different order), scores, lengths and accuracies exactly. A sharded run resumed from its checkpoint must
+repeat the uninterrupted run.
 
 To make the two runs see the same batch, sampling keeps only the most likely token (`rollout.top_k=1`:
 two processes draw from two RNG streams, so with sampling their tokens would differ), and one mini-batch
@@ -82,36 +85,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# token-mean normalises by the global mini-batch's tokens, seq-mean-token-mean by its sequences. grpo: two
-# responses per prompt, grouped on the prompt's process, no critic. (With top_k=1 a group's responses are
-# identical, so its advantages are 0: this case checks the critic-free path and the batch arithmetic with
-# rollout.n under two processes, the KL loss and entropy gradients; the group statistics are checked by hand
-# in tests/test_core_algos.py and tests/test_ppo.py.)
-CASES = {"token-mean": ("token-mean",), "seq-mean-token-mean": ("seq-mean-token-mean",),
-         "grpo": ("token-mean", "algorithm.adv_estimator=grpo", "rollout.n=2")}
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, case):
-    out2, record_dir = tmp_path / "two", tmp_path / "record"
-    record_dir.mkdir()
-    harness = tmp_path / "harness.py"
+def launch(tmp_path, args, accelerate_args=("--multi_gpu",)) -> subprocess.CompletedProcess:
+    """`accelerate launch <accelerate_args> --num_processes 2 <harness> <args>` (with this interpreter), which
+    must succeed; each rank's disk writes go to tmp_path/record."""
+    record_dir, harness = tmp_path / "record", tmp_path / "harness.py"
+    record_dir.mkdir(exist_ok=True)
     harness.write_text(HARNESS)
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "REPO": REPO, "RECORD_DIR": str(record_dir)}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(free_port())]  # = `accelerate launch ...` with this interpreter
-    result = subprocess.run([*launch, str(harness), *overrides(artifacts, out2, *CASES[case])], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+    env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_USE_CPU"}  # train.py's own choice
+    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "REPO": REPO, "RECORD_DIR": str(record_dir)})
+    command = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), str(harness), *args]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "processes: 2" in result.stdout
+    return result
 
+
+def rank_writes(tmp_path, output_dir) -> dict[int, list[str]]:
+    """Paths under output_dir that each rank opened for writing, created, renamed or removed."""
+    return {rank: [p for p in json.loads((tmp_path / "record" / f"changes_rank{rank}.json").read_text())
+                   if p.startswith(str(output_dir))] for rank in (0, 1)}
+
+
+def one_process_run(artifacts, monkeypatch, output_dir, args) -> list[dict]:
     monkeypatch.setattr(train, "compute_score", parity_score)
-    out1 = tmp_path / "one"
-    train.main(load_config(None, overrides(artifacts, out1, *CASES[case])))
+    train.main(load_config(None, args))
+    return read_metrics(output_dir / "metrics.jsonl")
 
-    one, two = read_metrics(out1 / "metrics.jsonl"), read_metrics(out2 / "metrics.jsonl")
+
+def assert_agree(one: list[dict], two: list[dict], artifacts) -> None:
+    """Same steps; accuracy the known parity share; EXACT keys equal, CLOSE keys within 1e-3."""
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(NUM_STEPS + 1))
     with open(artifacts.val_file) as f:
         answers = [json.loads(line)["answer"] for line in f][:NUM_VAL]
@@ -128,6 +131,26 @@ def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, case):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-7), (a["step"], key, a[key], b[key])
     assert two[-1]["kl/full"] > 0 and two[-1]["actor/kl_loss"] > 0
+
+
+# token-mean normalises by the global mini-batch's tokens, seq-mean-token-mean by its sequences. grpo: two
+# responses per prompt, grouped on the prompt's process, no critic. (With top_k=1 a group's responses are
+# identical, so its advantages are 0: this case checks the critic-free path and the batch arithmetic with
+# rollout.n under two processes, the KL loss and entropy gradients; the group statistics are checked by hand
+# in tests/test_core_algos.py and tests/test_ppo.py.)
+CASES = {"token-mean": ("token-mean",), "seq-mean-token-mean": ("seq-mean-token-mean",),
+         "grpo": ("token-mean", "algorithm.adv_estimator=grpo", "rollout.n=2")}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, case):
+    out2 = tmp_path / "two"
+    result = launch(tmp_path, overrides(artifacts, out2, *CASES[case]))
+    assert "processes: 2 (MULTI_CPU)" in result.stdout
+    out1 = tmp_path / "one"
+    one = one_process_run(artifacts, monkeypatch, out1, overrides(artifacts, out1, *CASES[case]))
+    two = read_metrics(out2 / "metrics.jsonl")
+    assert_agree(one, two, artifacts)
     if case == "grpo":
         assert "critic/vf_loss" not in two[-1] and two[-1]["critic/groups_with_equal_scores"] == 1.0
     else:
@@ -136,13 +159,49 @@ def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, case):
     # Only rank 0 writes to the output directory. Rank 1 writes just its RNG state into the checkpoint (with
     # torch's C++ writer, which the record does not see). Both ranks read the data through `datasets`, which
     # may write to its own cache in ~/.cache.
-    changes = {rank: [p for p in json.loads((record_dir / f"changes_rank{rank}.json").read_text())
-                      if p.startswith(str(out2))] for rank in (0, 1)}
-    assert str(out2 / "metrics.jsonl") in changes[0] and str(out2 / "config.yaml") in changes[0]  # the record works
-    assert changes[1] == [], changes[1]
+    writes = rank_writes(tmp_path, out2)
+    assert str(out2 / "metrics.jsonl") in writes[0] and str(out2 / "config.yaml") in writes[0]  # the record works
+    assert writes[1] == [], writes[1]
     assert sorted(os.listdir(out2 / "checkpoints" / f"step_{NUM_STEPS}")) == sorted(
         os.listdir(out1 / "checkpoints" / f"step_{NUM_STEPS}") + ["random_states_1.pkl"])
     assert torch.get_num_threads() == 1  # the comparison ran single-threaded on both sides
+
+
+def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_path, monkeypatch):
+    """configs/accelerate/fsdp.yaml as a user launches it (2 processes, no mixed precision on the CPU): the
+    actor and critic sharded, the reference whole, generation through the sharded actor."""
+    fsdp = ("--config_file", os.path.join(REPO, "configs", "accelerate", "fsdp.yaml"))
+    out2 = tmp_path / "fsdp"
+    # save_freq=1 keeps step_2 and step_3. val_batch_size=3: the ranks' 4 and 3 held-out problems make 2 and
+    # 1 batches, which would leave rank 0 alone in a collective forward without ppo.eval_batches.
+    args = overrides(artifacts, out2, "token-mean", "trainer.save_freq=1", "data.val_batch_size=3")
+    result = launch(tmp_path, args, fsdp)
+    assert "processes: 2 (FSDP)" in result.stdout
+    uninterrupted = read_metrics(out2 / "metrics.jsonl")
+    out1 = tmp_path / "one"
+    assert_agree(one_process_run(artifacts, monkeypatch, out1, overrides(artifacts, out1, "token-mean")),
+                 uninterrupted, artifacts)
+
+    # The weights and optimizer states are sharded: one DCP file per rank for each model and optimizer.
+    saved = out2 / "checkpoints" / f"step_{NUM_STEPS}"
+    for part in ("pytorch_model_fsdp_0", "pytorch_model_fsdp_1", "optimizer_0", "optimizer_1"):
+        assert sorted(f for f in os.listdir(saved / part) if f.endswith(".distcp")) == [
+            "__0_0.distcp", "__1_0.distcp"], part
+    # Rank 1 writes its shards and RNG state into the checkpoint being written, nothing else.
+    writes = rank_writes(tmp_path, out2)
+    assert writes[1] and all(".tmp/" in path for path in writes[1]), writes[1]
+
+    # A run killed after step 2's checkpoint, resumed with resume_from=auto, repeats step 3 exactly.
+    for path in sorted(saved.rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    saved.rmdir()
+    result = launch(tmp_path, [*args, "trainer.resume_from=auto"], fsdp)
+    assert f"resumed from {out2}/checkpoints/step_2 at step 2" in result.stdout
+    resumed = read_metrics(out2 / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(NUM_STEPS + 1))
+    for key, value in uninterrupted[-1].items():
+        if not key.startswith(("timing_s/", "perf/")):
+            assert resumed[-1][key] == value, key
 
 
 @pytest.mark.parametrize("name, distributed_type", [("one_gpu", "NO"), ("ddp", "MULTI_GPU"), ("fsdp", "FSDP"),

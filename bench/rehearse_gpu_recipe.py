@@ -1,0 +1,253 @@
+"""Rehearse the GPU recipe on a CPU at Qwen2.5-0.5B's real shape, before a user's first GPU run does.
+
+    python bench/rehearse_gpu_recipe.py              # full depth, 24 layers (~20 GB, see the README)
+    python bench/rehearse_gpu_recipe.py --layers 4   # real width and vocabulary, 4 layers: faster, smaller
+    python bench/rehearse_gpu_recipe.py --gpu        # on a GPU machine: the recipe's own batch sizes
+
+What runs is the recipe's command,
+    accelerate launch --mixed_precision bf16 train.py --config configs/gsm8k_qwen2.5_0.5b.yaml
+with `train.py` wrapped by a small harness (below) and overrides that only say where the model and data
+are, shrink the batch and the step count, and put a KL in the reward as well as the loss (`full` in the
+loss: the exact KL over all 151,936 logits, with gradient). Everything else is the recipe's: float32 master
+weights under bf16 autocast, a bfloat16 reference, gradient checkpointing, 512 + 512-token lengths, one
+PPO epoch, the critic, greedy evaluation.
+
+The model and data are made here, with no network:
+- a Qwen2ForCausalLM with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864,
+  vocabulary 151,936, tied embeddings), randomly initialised and saved in bfloat16 as the hub's is;
+- the embedded default's tokenizer (a 494-token byte-level BPE with a ChatML template), not Qwen's: the
+  embedding has the real 151,936 rows, and the few ids the tokenizer knows are all it can decode (a random
+  model samples almost only ids above them, which decode to nothing and score 0);
+- GSM8K-schema rows (question, "... #### N" answer) whose chat-templated prompts are 100 to 300 tokens,
+  the range of GSM8K's under Qwen's tokenizer (its questions are ~46 words on average, the longest ~200).
+A random model almost never samples EOS, so every response runs to the full 512 tokens: the worst case.
+
+Run A trains `--steps` steps with a checkpoint after each; the last checkpoint is then deleted and run B
+resumes from the one before (`trainer.resume_from=auto`) and repeats the last step. Checks:
+- every step finite (no skipped update, every logged number finite), the KL panel finite, kl/full >= 0;
+- the resumed step equals the uninterrupted one (every logged number but timings);
+- no float32 tensor of shape (..., 151936) with more rows than rlhf.core_algos.LOGITS_CHUNK_ROWS is ever
+  created: the claim of logprobs_from_logits, entropy_from_logits and kl.full_kl, which convert bf16 logits
+  to float32 a chunk of rows at a time. A TorchDispatchMode in the harness sees every op's outputs, forward
+  and backward; the micro-batch (4 x 512 = 2048 rows of logits) is larger than a chunk (1024 rows), so a
+  whole float32 copy would be caught;
+- peak memory: the training process's peak resident set size (CPU; ru_maxrss), or the device's
+  max_memory_allocated (GPU), as logged in perf/max_memory_allocated_gb.
+Results go to <output>/results.json and are printed as one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+from rlhf.checkpoint import list_checkpoints  # noqa: E402
+from rlhf.core_algos import LOGITS_CHUNK_ROWS  # noqa: E402
+from rlhf.data import build_prompt, write_jsonl  # noqa: E402
+from rlhf.embedded import generate_problems, train_tokenizer  # noqa: E402
+from rlhf.tracking import read_metrics  # noqa: E402
+
+RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")
+# Qwen/Qwen2.5-0.5B-Instruct's config.json, the fields that set the shape.
+QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True,
+                    max_position_embeddings=32_768, rms_norm_eps=1e-6)
+PROMPT_TOKENS = (100, 300)  # chat-templated prompt lengths drawn uniformly in this range
+NOT_COMPARED = ("timing_s/", "perf/")  # wall-clock numbers differ between two runs of the same step
+
+# train.py's command line under a watcher; writes what it saw to $REHEARSAL_REPORT.
+HARNESS = '''
+import json, os, resource, sys
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+sys.path.insert(0, os.environ["REPO"])
+import train
+
+VOCAB = int(os.environ["REHEARSAL_VOCAB"])
+
+class Float32Logits(TorchDispatchMode):
+    """The largest float32 tensor with a vocabulary-sized last dim among every op's outputs."""
+    rows, shape, op = 0, None, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 2 and t.shape[-1] == VOCAB:
+                if t.numel() // VOCAB > self.rows:
+                    self.rows, self.shape, self.op = t.numel() // VOCAB, list(t.shape), str(func)
+        return out
+
+watch = Float32Logits()
+with watch:
+    code = train.cli(sys.argv[1:])
+with open(os.environ["REHEARSAL_REPORT"], "w") as f:
+    json.dump({"exit_code": code, "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+               "float32_logits_rows": watch.rows, "float32_logits_shape": watch.shape,
+               "float32_logits_op": watch.op}, f)
+sys.exit(code)
+'''
+
+
+def make_model(model_dir: str, num_layers: int) -> int:
+    """The random Qwen2.5-0.5B-shaped model and the embedded tokenizer, saved to model_dir; its parameters."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    problems = generate_problems(256, seed=0)
+    tokenizer = train_tokenizer([p["question"] + " " + p["answer"] for p in problems], vocab_size=500)
+    config = Qwen2Config(**{**QWEN2_5_0_5B, "num_hidden_layers": num_layers}, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_data(path: str, tokenizer, num_rows: int, seed: int) -> list[int]:
+    """GSM8K-schema rows whose prompts are PROMPT_TOKENS long (several generated problems' text joined into
+    one question); returns the prompt lengths."""
+    rng = random.Random(seed)
+    problems = generate_problems(20 * num_rows, seed=seed)
+    rows, lengths = [], []
+    for i in range(num_rows):
+        target = rng.randint(*PROMPT_TOKENS)
+        sentences = iter(problems[20 * i:20 * (i + 1)])
+        question, answer = "", None
+        while True:
+            problem = next(sentences)
+            longer = (question + " " + problem["question"]).strip()
+            if answer is not None and len(tokenizer(build_prompt(tokenizer, longer))["input_ids"]) > target:
+                break
+            question, answer = longer, problem["answer"]  # the last problem's answer is the row's
+        rows.append({"question": question, "answer": answer})
+        lengths.append(len(tokenizer(build_prompt(tokenizer, question))["input_ids"]))
+    write_jsonl(rows, path)
+    return lengths
+
+
+def overrides(model_dir: str, data_dir: str, out_dir: str, args) -> list[str]:
+    """Where things are, the batch and step count, the KL placement; nothing else of the recipe changes."""
+    batch = [] if args.gpu else [  # --gpu: the recipe's own batch sizes
+        "data.train_batch_size=4", "data.val_batch_size=4", "actor.ppo_mini_batch_size=4",
+        "actor.ppo_micro_batch_size=4"]
+    return [f"model.path={model_dir}", f"data.train_files={data_dir}/train.jsonl",
+            f"data.val_files={data_dir}/val.jsonl", *batch, f"data.max_val_samples={args.val_samples}",
+            f"trainer.total_steps={args.steps}", "trainer.save_freq=1", f"trainer.output_dir={out_dir}",
+            "trainer.logger=none", "algorithm.use_kl_in_reward=true", "actor.kl_loss_type=full"]
+
+
+def launch(harness: str, report: str, args: list[str], log_path: str) -> tuple[dict, float]:
+    """`accelerate launch --mixed_precision bf16 <harness> --config <recipe> <args>`: (report, wall seconds)."""
+    env = {**os.environ, "REPO": REPO, "REHEARSAL_REPORT": report, "REHEARSAL_VOCAB": str(QWEN2_5_0_5B["vocab_size"]),
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+               "--mixed_precision", "bf16", "--dynamo_backend", "no", harness, "--config", RECIPE, *args]
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        code = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - start
+    if code != 0 or not os.path.exists(report):
+        with open(log_path) as f:
+            sys.exit(f"the run failed (exit {code}); the end of {log_path}:\n{f.read()[-4000:]}")
+    with open(report) as f:
+        return json.load(f), wall
+
+
+def finite_rows(rows: list[dict]) -> bool:
+    return all(math.isfinite(v) for row in rows for v in row.values() if isinstance(v, (int, float)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=QWEN2_5_0_5B["num_hidden_layers"],
+                        help="decoder layers (24 is the real depth; fewer keep the real width and vocabulary)")
+    parser.add_argument("--steps", type=int, default=2, help="PPO steps of run A (run B repeats the last)")
+    parser.add_argument("--val-samples", type=int, default=4, help="held-out problems per evaluation")
+    parser.add_argument("--gpu", action="store_true", help="keep the recipe's batch sizes (on a GPU machine)")
+    parser.add_argument("--output", default=os.path.join(REPO, "outputs", "rehearsal"))
+    args = parser.parse_args()
+    if args.gpu and not torch.accelerator.is_available():
+        sys.exit("--gpu needs a GPU (or another accelerator); torch sees none")
+    if args.steps < 2:
+        sys.exit("--steps must be at least 2: run B resumes from the checkpoint before the last step")
+
+    out = os.path.abspath(args.output)
+    model_dir, data_dir, run_dir = (os.path.join(out, name) for name in ("model", "data", "run"))
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(data_dir)
+    start = time.perf_counter()
+    num_params = make_model(model_dir, args.layers)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    num_train = 4 * args.steps if not args.gpu else 256 * args.steps
+    prompt_lengths = make_data(os.path.join(data_dir, "train.jsonl"), tokenizer, num_train, seed=1)
+    make_data(os.path.join(data_dir, "val.jsonl"), tokenizer, args.val_samples, seed=2)
+    setup_s = time.perf_counter() - start
+    print(f"model: {num_params / 1e6:.1f}M parameters, {args.layers} layers; prompts {min(prompt_lengths)}-"
+          f"{max(prompt_lengths)} tokens; set up in {setup_s:.0f} s", flush=True)
+
+    harness = os.path.join(out, "harness.py")
+    with open(harness, "w") as f:
+        f.write(HARNESS)
+    run_args = overrides(model_dir, data_dir, run_dir, args)
+    report_a, wall_a = launch(harness, os.path.join(out, "report_a.json"), run_args, os.path.join(out, "run_a.log"))
+    uninterrupted = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    checkpoints = list_checkpoints(run_dir)
+    checkpoint_gb = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(checkpoints[-1])
+                        for f in files) / 2**30
+    shutil.rmtree(checkpoints[-1])  # as if killed during the last step
+    print(f"run A: {args.steps} steps in {wall_a:.0f} s; resuming from {checkpoints[-2]}", flush=True)
+    report_b, wall_b = launch(harness, os.path.join(out, "report_b.json"), [*run_args, "trainer.resume_from=auto"],
+                              os.path.join(out, "run_b.log"))
+    resumed = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+
+    last_a, last_b = uninterrupted[-1], resumed[-1]
+    differing = sorted(k for k, v in last_a.items() if not k.startswith(NOT_COMPARED) and last_b.get(k) != v)
+    steps = [row for row in uninterrupted if "actor/pg_loss" in row]
+    panel = {key: last_a[key] for key in ("kl/k1", "kl/k2", "kl/k3", "kl/abs", "kl/full")}
+    results = {
+        "date": time.strftime("%Y-%m-%d"), "layers": args.layers, "parameters_m": num_params / 1e6,
+        "gpu": torch.cuda.get_device_name() if args.gpu else None, "run_args": run_args,
+        "prompt_tokens": [min(prompt_lengths), max(prompt_lengths)],
+        "wall_s": {"setup": setup_s, "run_a": wall_a, "run_b": wall_b},
+        "step_s": [row["timing_s/step"] for row in steps],
+        "peak_rss_gb": max(report_a["max_rss_gb"], report_b["max_rss_gb"]),
+        "max_memory_allocated_gb": max((row.get("perf/max_memory_allocated_gb", 0) for row in resumed + uninterrupted),
+                                       default=0) or None,
+        "checkpoint_gb": checkpoint_gb,
+        "all_steps_finite": finite_rows(uninterrupted) and all(row["actor/skipped_updates"] == 0 for row in steps),
+        "kl_panel_last_step": panel,
+        "kl_full_nonnegative": all(row["kl/full"] >= 0 for row in steps),
+        "resume_repeats_last_step": not differing and last_b["step"] == last_a["step"], "resume_differs": differing,
+        "float32_logits_max_rows": max(report_a["float32_logits_rows"], report_b["float32_logits_rows"]),
+        "float32_logits_largest": report_a["float32_logits_shape"], "logits_chunk_rows": LOGITS_CHUNK_ROWS,
+    }
+    results["float32_logits_within_chunk"] = results["float32_logits_max_rows"] <= LOGITS_CHUNK_ROWS
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    for key, value in results.items():
+        if key != "run_args":
+            print(f"{key}: {value}")
+    ok = (results["all_steps_finite"] and results["kl_full_nonnegative"] and results["resume_repeats_last_step"]
+          and results["float32_logits_within_chunk"])
+    print("REHEARSAL PASSED" if ok else "REHEARSAL FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
