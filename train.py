@@ -97,25 +97,25 @@ def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer) -> 
     prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
     r = cfg.rollout
     params = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p, ignore_eos=r.ignore_eos)
-    with timer("gen"):
+    with timer("gen"), accelerator.autocast():
         batch = generate(accelerator.unwrap_model(actor), tokenizer, prompt_ids.to(accelerator.device),
                          prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator))
     need_full = cfg.trainer.log_kl_panel or "full" in (cfg.algorithm.kl_penalty, cfg.actor.kl_loss_type)
     parts = defaultdict(list)
     for index in torch.arange(len(prompt_ids)).split(r.log_prob_micro_batch_size):
         micro = slice_batch(batch, index)
-        with timer("old_log_prob"):
+        with timer("old_log_prob"), accelerator.autocast():
             logprobs, logits = logprobs_and_logits(actor, micro, r.temperature)
             parts["old_logprobs"].append(logprobs)
         if ref is not None:
-            with timer("ref"):
+            with timer("ref"), accelerator.autocast():
                 ref_logprobs, ref_logits = logprobs_and_logits(ref, micro, r.temperature)
                 parts["ref_logprobs"].append(ref_logprobs)
                 if need_full:
                     parts["full_kl"].append(kl.full_kl(logits, ref_logits, r.temperature))
         del logits
         if critic is not None:
-            with timer("values"):
+            with timer("values"), accelerator.autocast():
                 parts["values"].append(response_values(critic, micro))
     batch.update({k: torch.cat(v) for k, v in parts.items()})
     batch["scores"] = score_responses(tokenizer, batch, rows["ground_truth"], cfg.data.reward_method)
@@ -172,13 +172,16 @@ def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, t
             micro = slice_batch(batch, micro_index)
             last = i == len(micro_indices) - 1  # gradients are all-reduced on the last micro-batch only
             with timer("update_actor"), (contextlib.nullcontext() if last else accelerator.no_sync(actor)):
-                loss, micro_metrics = micro_actor_loss(cfg, actor, ref, micro, agg)
+                with accelerator.autocast():  # forward only: the backward runs outside autocast
+                    loss, micro_metrics = micro_actor_loss(cfg, actor, ref, micro, agg)
                 accelerator.backward(loss * world)
             finite["actor"] &= math.isfinite(loss.item())
             if critic is not None:
                 with timer("update_critic"), (contextlib.nullcontext() if last else accelerator.no_sync(critic)):
+                    with accelerator.autocast():
+                        values = response_values(critic, micro)
                     vf_loss, critic_metrics = core_algos.value_loss(
-                        response_values(critic, micro), micro["values"], micro["returns"], micro["response_mask"],
+                        values, micro["values"], micro["returns"], micro["response_mask"],
                         cfg.critic.cliprange_value, ac.loss_agg_mode, **agg)
                     accelerator.backward(vf_loss * world)
                 finite["critic"] &= math.isfinite(vf_loss.item())
@@ -263,8 +266,9 @@ def evaluate(cfg: Config, accelerator, actor, tokenizer, val_set) -> float:
     for mine in tqdm(batches, desc="eval", leave=False, disable=not accelerator.is_local_main_process):
         rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see ppo.eval_batches)
         prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
-        batch = generate(model, tokenizer, prompt_ids.to(accelerator.device), prompt_mask.to(accelerator.device),
-                         params, all_finished=stop_rule(accelerator))
+        with accelerator.autocast():
+            batch = generate(model, tokenizer, prompt_ids.to(accelerator.device),
+                             prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator))
         scores = score_responses(tokenizer, batch, rows["ground_truth"], cfg.data.reward_method)[:len(mine)]
         correct, total = correct + scores.sum().item(), total + len(scores)
     counts = accelerator.reduce(torch.tensor([correct, total], dtype=torch.float64, device=accelerator.device), "sum")

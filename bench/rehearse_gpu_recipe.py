@@ -5,7 +5,8 @@
     python bench/rehearse_gpu_recipe.py --gpu        # on a GPU machine: the recipe's own batch sizes
 
 What runs is the recipe's command,
-    accelerate launch --mixed_precision bf16 train.py --config configs/gsm8k_qwen2.5_0.5b.yaml
+    accelerate launch --config_file configs/accelerate/one_gpu.yaml --mixed_precision bf16 \
+        train.py --config configs/gsm8k_qwen2.5_0.5b.yaml
 with `train.py` wrapped by a small harness (below) and overrides that only say where the model and data
 are, shrink the batch and the step count, and put a KL in the reward as well as the loss (`full` in the
 loss: the exact KL over all 151,936 logits, with gradient). Everything else is the recipe's: float32 master
@@ -60,6 +61,7 @@ from rlhf.embedded import generate_problems, train_tokenizer  # noqa: E402
 from rlhf.tracking import read_metrics  # noqa: E402
 
 RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")
+ONE_GPU = os.path.join(REPO, "configs", "accelerate", "one_gpu.yaml")  # 1 process; no GPU needed
 # Qwen/Qwen2.5-0.5B-Instruct's config.json, the fields that set the shape.
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True,
@@ -67,31 +69,14 @@ QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2
 PROMPT_TOKENS = (100, 300)  # chat-templated prompt lengths drawn uniformly in this range
 NOT_COMPARED = ("timing_s/", "perf/")  # wall-clock numbers differ between two runs of the same step
 
-# train.py's command line under a watcher; writes what it saw to $REHEARSAL_REPORT.
+# train.py's command line under rlhf.tracking.Float32LogitsWatch; writes what it saw to $REHEARSAL_REPORT.
 HARNESS = '''
 import json, os, resource, sys
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 sys.path.insert(0, os.environ["REPO"])
 import train
+from rlhf.tracking import Float32LogitsWatch
 
-VOCAB = int(os.environ["REHEARSAL_VOCAB"])
-
-class Float32Logits(TorchDispatchMode):
-    """The largest float32 tensor with a vocabulary-sized last dim among every op's outputs."""
-    rows, shape, op = 0, None, None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 2 and t.shape[-1] == VOCAB:
-                if t.numel() // VOCAB > self.rows:
-                    self.rows, self.shape, self.op = t.numel() // VOCAB, list(t.shape), str(func)
-        return out
-
-watch = Float32Logits()
-with watch:
+with Float32LogitsWatch(int(os.environ["REHEARSAL_VOCAB"])) as watch:
     code = train.cli(sys.argv[1:])
 with open(os.environ["REHEARSAL_REPORT"], "w") as f:
     json.dump({"exit_code": code, "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -153,8 +138,8 @@ def launch(harness: str, report: str, args: list[str], log_path: str) -> tuple[d
     """`accelerate launch --mixed_precision bf16 <harness> --config <recipe> <args>`: (report, wall seconds)."""
     env = {**os.environ, "REPO": REPO, "REHEARSAL_REPORT": report, "REHEARSAL_VOCAB": str(QWEN2_5_0_5B["vocab_size"]),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-               "--mixed_precision", "bf16", "--dynamo_backend", "no", harness, "--config", RECIPE, *args]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ONE_GPU, "--mixed_precision",
+               "bf16", harness, "--config", RECIPE, *args]
     start = time.perf_counter()
     with open(log_path, "w") as log:
         code = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode

@@ -85,8 +85,11 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here).
     # Its tensors cannot enter autograd, so the tokens are cloned into a normal tensor on the way out. Not for
     # FSDP2-sharded models: the parameters they gather would become inference tensors, which FSDP's later
-    # in-place updates of them refuse.
-    with torch.inference_mode(not isinstance(model, FSDPModule)):
+    # in-place updates of them refuse. Not under autocast either: there it stops autocast from keeping its
+    # half-precision copies of the weights from one token to the next, so every token casts every weight
+    # again (at Qwen2.5-0.5B's width on CPU: 0.21 s per token against 0.11 s under no_grad).
+    lighter = not isinstance(model, FSDPModule) and not torch.is_autocast_enabled(prompt_ids.device.type)
+    with torch.inference_mode() if lighter else torch.no_grad():
         response_ids = _decode(model, prompt_ids, prompt_mask, params, eos, tokenizer.pad_token_id,
                                all_finished or torch.all)
     response_ids = response_ids.clone()

@@ -55,6 +55,13 @@ def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val
     actor, actor_opt = accelerator.prepare(actor, actor_opt)
     if critic is not None:
         critic, critic_opt = accelerator.prepare(critic, critic_opt)
+    # Under mixed precision, prepare() makes each forward pass autocast *and* convert its outputs to float32:
+    # a float32 copy of the (B, T, V) logits (2.5 GB for the GPU recipe's micro-batch, 8 x 513 x 151,936),
+    # which the chunked log-prob, entropy and KL functions exist to avoid. unwrap_model(keep_fp32_wrapper=False)
+    # takes that wrapper off the model (in place, inside any DDP or FSDP wrapper); train.py runs its forward
+    # passes in accelerator.autocast() instead (tests/test_train.py checks no such copy is made).
+    for model in (m for m in (actor, critic) if m is not None):
+        accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     if ref is not None:
         ref = ref.to(accelerator.device)
     kc = cfg.algorithm.kl_ctrl

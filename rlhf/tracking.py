@@ -136,3 +136,37 @@ class Timer:
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+class Float32LogitsWatch:
+    """While active (`with watch:`), records the largest float32 tensor whose last dim is `vocab_size` among
+    the outputs of every op, forward and backward, as its number of rows (numel / vocab_size), its shape and
+    the op. How tests/test_train.py and bench/rehearse_gpu_recipe.py check that no float32 copy of a
+    (B, T, V) logits tensor is made where the code says it is not (rlhf.core_algos.LOGITS_CHUNK_ROWS)."""
+
+    def __init__(self, vocab_size: int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        import torch
+
+        self.rows, self.shape, self.op = 0, None, None
+        watch = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 2
+                            and t.shape[-1] == vocab_size and t.numel() // vocab_size > watch.rows):
+                        watch.rows, watch.shape, watch.op = t.numel() // vocab_size, list(t.shape), str(func)
+                return out
+
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

@@ -121,6 +121,31 @@ def test_reference_is_frozen_during_training(artifacts, tmp_path, monkeypatch):
     assert not torch.equal(weights(seen["actor"]), seen["actor_start"])
 
 
+def test_bf16_autocast_makes_no_float32_copy_of_the_logits(artifacts, tmp_path, monkeypatch):
+    """trainer.mixed_precision=bf16 over float32 weights, as the GPU recipe: the logits stay bfloat16, and
+    float32 is made a chunk of rows at a time (rlhf.core_algos.LOGITS_CHUNK_ROWS, here 64; kl.full_kl's 256).
+    A micro-batch has 8 x 65 rows of logits, so a float32 copy of it, or float32 logits from a forward outside
+    autocast, would show up as more than 256 rows."""
+    from accelerate.state import AcceleratorState
+    from transformers import AutoConfig
+
+    from rlhf import core_algos
+    from rlhf.tracking import Float32LogitsWatch
+
+    monkeypatch.setattr(core_algos, "LOGITS_CHUNK_ROWS", 64)
+    AcceleratorState._reset_state(True)  # mixed precision is fixed once per process; other tests run without
+    try:
+        with Float32LogitsWatch(AutoConfig.from_pretrained(artifacts.model_dir).vocab_size) as watch:
+            _, rows = run(artifacts, str(tmp_path / "run"), "trainer.mixed_precision=bf16", "trainer.logger=none",
+                          "data.max_response_length=64", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=8",
+                          "rollout.log_prob_micro_batch_size=8", "algorithm.use_kl_in_reward=true",
+                          "actor.use_kl_loss=true", "actor.kl_loss_type=full")
+    finally:
+        AcceleratorState._reset_state(True)
+    assert watch.rows == 256, (watch.rows, watch.shape, watch.op)  # full_kl's chunks, and nothing larger
+    assert all(math.isfinite(rows[-1][key]) for key in KL_PANEL + ["actor/pg_loss", "actor/kl_loss"])
+
+
 CRITIC_METRICS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var", "critic/grad_norm",
                   "timing_s/values", "timing_s/update_critic"]
 
