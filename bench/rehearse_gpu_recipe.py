@@ -136,7 +136,10 @@ def overrides(model_dir: str, data_dir: str, out_dir: str, args) -> list[str]:
 
 def launch(harness: str, report: str, args: list[str], log_path: str) -> tuple[dict, float]:
     """`accelerate launch --mixed_precision bf16 <harness> --config <recipe> <args>`: (report, wall seconds)."""
-    env = {**os.environ, "REPO": REPO, "REHEARSAL_REPORT": report, "REHEARSAL_VOCAB": str(QWEN2_5_0_5B["vocab_size"]),
+    # accelerate launch gives a CPU process 1 thread unless OMP_NUM_THREADS says otherwise. Transparent huge
+    # pages for torch's large CPU tensors: each new 0.6 GB logits tensor otherwise faults in 150k small pages,
+    # which made the steps several times slower in this project's virtual machine.
+    env = {"OMP_NUM_THREADS": str(os.cpu_count()), "THP_MEM_ALLOC_ENABLE": "1", **os.environ, "REPO": REPO, "REHEARSAL_REPORT": report, "REHEARSAL_VOCAB": str(QWEN2_5_0_5B["vocab_size"]),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ONE_GPU, "--mixed_precision",
                "bf16", harness, "--config", RECIPE, *args]

@@ -1,0 +1,123 @@
+"""The GPU recipe's memory per GPU, computed from Qwen2.5-0.5B's shape and the config's sizes.
+
+    python bench/recipe_memory.py        # the README's table: the recipe as configured, and per card size
+
+Each row is one kind of tensor at its largest, in GiB per process:
+- actor and critic (float32 master weights, model.dtype): weights, gradients, AdamW's two moments;
+- the reference (model.ref_dtype, bfloat16), frozen;
+- the bfloat16 copy autocast makes of the float32 weights of the model in use (kept for the backward, and
+  across tokens while sampling);
+- the KV cache while sampling: layers x 2 (K, V) x KV heads x head dim x (prompt + response) tokens x the
+  process's rollout batch (train_batch_size x rollout.n / processes), in bfloat16 under autocast; and the
+  prefill's MLP activations (gate, up and their product, bf16, for every prompt token of the batch), which
+  exist while the cache holds only the prompts;
+- the largest logits of a micro-batch, which is the larger of two moments: the rollout's log-prob pass
+  (rollout.log_prob_micro_batch_size rows of the actor's and the reference's bf16 logits alive together,
+  for the exact KL) and the update (actor.ppo_micro_batch_size: bf16 logits, their gradient, the
+  reference's logits when the KL loss is `full`, and one float32 chunk of LOGITS_CHUNK_ROWS rows);
+- checkpointed activations: one float32 hidden state per layer and token of a micro-batch, plus one
+  layer's activations being recomputed (an estimate: 16 hidden-sized bf16 tensors and the MLP's 3).
+What is not counted: the CUDA context and allocator slack (~1-2 GB in practice), the attention's own
+buffers. Prompts are counted at data.max_prompt_length (GSM8K's are ~100-300 tokens: less in practice).
+Sampling, the log-prob pass and the update do not overlap (each one's tensors are freed before the next),
+so the peak is static + the largest of the three moments.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from rlhf.config import Config, load_config  # noqa: E402
+from rlhf.core_algos import LOGITS_CHUNK_ROWS  # noqa: E402
+
+GIB = 2**30
+RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")
+# Qwen/Qwen2.5-0.5B-Instruct's config.json
+SHAPE = dict(hidden=896, layers=24, heads=14, kv_heads=2, mlp=4864, vocab=151_936)
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Micro-batch sizes for each card (one GPU, or DDP); the recipe's own are the 24 GB column.
+CARDS = {24: [],
+         40: ["actor.ppo_micro_batch_size=8", "rollout.log_prob_micro_batch_size=16"],
+         80: ["actor.ppo_micro_batch_size=16", "rollout.log_prob_micro_batch_size=32"]}
+
+
+def num_parameters(shape: dict = SHAPE, lm_head: bool = False) -> int:
+    """Parameters of a Qwen2 model of this shape with tied embeddings (biases on q, k, v as in Qwen2); the
+    critic's one-output score head is counted by the caller."""
+    h, kv_dim = shape["hidden"], shape["kv_heads"] * (shape["hidden"] // shape["heads"])
+    attention = h * h + h + 2 * (h * kv_dim + kv_dim) + h * h  # q (+bias), k, v (+bias), o
+    layer = attention + 3 * h * shape["mlp"] + 2 * h  # gate, up, down; two RMSNorms
+    return shape["vocab"] * h + shape["layers"] * layer + h + (shape["vocab"] * h if lm_head else 0)
+
+
+def memory(cfg: Config, num_processes: int = 1, shape: dict = SHAPE) -> dict[str, float]:
+    """GiB per process of each row (see the module docstring), plus 'static', 'peak'."""
+    h, v = shape["hidden"], shape["vocab"]
+    head_dim = h // shape["heads"]
+    weight_bytes = BYTES[cfg.model.dtype]
+    actor, critic = num_parameters(shape), num_parameters(shape) + h + 1
+    tokens = cfg.data.max_prompt_length + cfg.data.max_response_length
+    rows = cfg.data.max_response_length + 1  # logits kept per response (train.py's response_logits)
+    rollout_batch = cfg.data.train_batch_size * cfg.rollout.n // num_processes
+    full_loss = cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full"
+    out = {
+        "actor weights": actor * weight_bytes,
+        "actor gradients": actor * weight_bytes,
+        "actor AdamW states": 2 * actor * 4,
+        "critic weights": critic * weight_bytes,
+        "critic gradients": critic * weight_bytes,
+        "critic AdamW states": 2 * critic * 4,
+        "reference": num_parameters(shape) * BYTES[cfg.model.ref_dtype or cfg.model.dtype],
+        "bf16 copy of the weights in use (autocast)": actor * 2 if weight_bytes == 4 else 0,
+        "KV cache (sampling)": shape["layers"] * 2 * shape["kv_heads"] * head_dim * tokens * rollout_batch * 2,
+        "prefill MLP activations (sampling, transient)": rollout_batch * cfg.data.max_prompt_length
+                                                         * shape["mlp"] * 3 * 2,
+        "logits, rollout log-prob pass": 2 * cfg.rollout.log_prob_micro_batch_size * rows * v * 2,
+        "logits, update": (3 if full_loss else 2) * cfg.actor.ppo_micro_batch_size * rows * v * 2
+                          + LOGITS_CHUNK_ROWS * v * 4,
+        "activations, update (estimate)": cfg.actor.ppo_micro_batch_size * tokens * h
+                                          * (shape["layers"] * 4 + 16 * 2) + cfg.actor.ppo_micro_batch_size
+                                          * tokens * shape["mlp"] * 3 * 2,
+    }
+    out = {key: value / GIB for key, value in out.items()}
+    if num_processes > 1:  # FSDP: the trained models' weights, gradients and AdamW states are split
+        for key in list(out):
+            if key.startswith(("actor", "critic")):
+                out[key] /= num_processes
+    out["static"] = sum(v for k, v in out.items() if k.startswith(("actor", "critic", "reference")))
+    prompt_share = cfg.data.max_prompt_length / tokens  # of the KV cache, when the prefill runs
+    sampling = max(out["KV cache (sampling)"], out["KV cache (sampling)"] * prompt_share
+                   + out["prefill MLP activations (sampling, transient)"])
+    out["peak"] = out["static"] + out["bf16 copy of the weights in use (autocast)"] + max(sampling, out["logits, rollout log-prob pass"],
+                                      out["logits, update"] + out["activations, update (estimate)"])
+    return out
+
+
+def table(columns: dict[str, dict[str, float]]) -> str:
+    """Markdown: one row per kind of tensor, one column per setting."""
+    keys = list(next(iter(columns.values())))
+    lines = ["| GiB per GPU | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for key in keys:
+        name = f"**{key}**" if key in ("static", "peak") else key
+        lines.append(f"| {name} | " + " | ".join(f"{col[key]:.2f}" for col in columns.values()) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    columns = {}
+    for card, overrides in CARDS.items():
+        cfg = load_config(RECIPE, overrides)
+        label = (f"{card} GB card: micro {cfg.actor.ppo_micro_batch_size}, "
+                 f"log-prob micro {cfg.rollout.log_prob_micro_batch_size}")
+        columns[label] = memory(cfg)
+    print(f"Qwen2.5-0.5B: {num_parameters() / 1e6:.1f}M parameters (tied embeddings); "
+          f"{RECIPE.removeprefix(REPO + os.sep)}, one GPU or DDP\n")
+    print(table(columns))
+
+
+if __name__ == "__main__":
+    main()
