@@ -20,7 +20,7 @@ timeout 240 python bench/ppo_step.py --gpu --iters 11 > "$OUT/ppo_step.txt" 2>&1
 echo "ppo_step exit $?" >> "$OUT/gpu.txt"
 
 # 3 recipe steps of 256 prompts x 512 tokens, an evaluation of 128, a checkpoint each step, then run B.
-timeout 300 python bench/rehearse_gpu_recipe.py --gpu --steps 3 --val-samples 128 \
+timeout 300 python bench/rehearse_gpu_recipe.py --gpu --layers 24 --steps 3 --val-samples 128 \
     --output "$OUT/rehearsal" > "$OUT/rehearsal.log" 2>&1
 echo "rehearsal exit $?" >> "$OUT/gpu.txt"
 cp "$OUT/rehearsal/results.json" "$OUT/rehearsal.json" 2>/dev/null

@@ -1,8 +1,8 @@
 """Rehearse the GPU recipe on a CPU at Qwen2.5-0.5B's real shape, before a user's first GPU run does.
 
-    python bench/rehearse_gpu_recipe.py              # full depth, 24 layers (~20 GB, see the README)
-    python bench/rehearse_gpu_recipe.py --layers 4   # real width and vocabulary, 4 layers: faster, smaller
-    python bench/rehearse_gpu_recipe.py --gpu        # on a GPU machine: the recipe's own batch sizes
+    python bench/rehearse_gpu_recipe.py              # real width and vocabulary, 12 of the 24 layers
+    python bench/rehearse_gpu_recipe.py --layers 24  # full depth: needs more than 24 GB of RAM (README)
+    python bench/rehearse_gpu_recipe.py --gpu --layers 24   # on a GPU machine: the recipe's own batch sizes
 
 What runs is the recipe's command,
     accelerate launch --config_file configs/accelerate/one_gpu.yaml --mixed_precision bf16 \
@@ -15,7 +15,8 @@ PPO epoch, the critic, greedy evaluation.
 
 The model and data are made here, with no network:
 - a Qwen2ForCausalLM with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864,
-  vocabulary 151,936, tied embeddings), randomly initialised and saved in bfloat16 as the hub's is;
+  vocabulary 151,936, tied embeddings; --layers sets the depth, 12 by default so that it fits in 24 GB of
+  RAM), randomly initialised and saved in bfloat16 as the hub's is;
 - the embedded default's tokenizer (a 494-token byte-level BPE with a ChatML template), not Qwen's: the
   embedding has the real 151,936 rows, and the few ids the tokenizer knows are all it can decode (a random
   model samples almost only ids above them, which decode to nothing and score 0);
@@ -33,7 +34,8 @@ resumes from the one before (`trainer.resume_from=auto`) and repeats the last st
   and backward; the micro-batch (4 x 512 = 2048 rows of logits) is larger than a chunk (1024 rows), so a
   whole float32 copy would be caught;
 - peak memory: the training process's peak resident set size (CPU; ru_maxrss), or the device's
-  max_memory_allocated (GPU), as logged in perf/max_memory_allocated_gb.
+  max_memory_allocated (GPU), as logged in perf/max_memory_allocated_gb; beside it, what
+  bench/recipe_memory.py computes for the same config and depth.
 Results go to <output>/results.json and are printed as one table.
 """
 
@@ -54,7 +56,10 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
+import recipe_memory  # noqa: E402  (bench/, beside this file)
+
 from rlhf.checkpoint import list_checkpoints  # noqa: E402
+from rlhf.config import load_config  # noqa: E402
 from rlhf.core_algos import LOGITS_CHUNK_ROWS  # noqa: E402
 from rlhf.data import build_prompt, write_jsonl  # noqa: E402
 from rlhf.embedded import generate_problems, train_tokenizer  # noqa: E402
@@ -161,8 +166,11 @@ def finite_rows(rows: list[dict]) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=QWEN2_5_0_5B["num_hidden_layers"],
-                        help="decoder layers (24 is the real depth; fewer keep the real width and vocabulary)")
+    # 12: the full 24 layers' float32 actor and critic with AdamW states (15.6 GiB) plus the step went past this
+    # project's 24 GB machine in step 2 (killed at 22.3 GiB); the width and vocabulary, where the logits'
+    # memory is, stay real.
+    parser.add_argument("--layers", type=int, default=12,
+                        help="decoder layers (Qwen2.5-0.5B has 24; fewer keep the real width and vocabulary)")
     parser.add_argument("--steps", type=int, default=2, help="PPO steps of run A (run B repeats the last)")
     parser.add_argument("--val-samples", type=int, default=4, help="held-out problems per evaluation")
     parser.add_argument("--gpu", action="store_true", help="keep the recipe's batch sizes (on a GPU machine)")
@@ -226,6 +234,9 @@ def main() -> None:
         "float32_logits_largest": report_a["float32_logits_shape"], "logits_chunk_rows": LOGITS_CHUNK_ROWS,
     }
     results["float32_logits_within_chunk"] = results["float32_logits_max_rows"] <= LOGITS_CHUNK_ROWS
+    # bench/recipe_memory.py's computation for this run's config and depth, beside the measured peak
+    computed = recipe_memory.memory(load_config(RECIPE, run_args), shape={**recipe_memory.SHAPE, "layers": args.layers})
+    results["computed_static_gb"], results["computed_peak_gb"] = computed["static"], computed["peak"]
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     for key, value in results.items():

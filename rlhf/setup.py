@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, set_seed
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from rlhf import core_algos, kl
 from rlhf.config import Config
@@ -125,10 +126,23 @@ def load_models(cfg: Config, model_path: str):
     for model in (m for m in (actor, critic) if m is not None):
         model.eval()
         if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_gradient_checkpointing(model)
     if ref is not None:
         ref.eval().requires_grad_(False)
     return actor, critic, ref
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward instead of storing its activations, with the model in
+    eval mode. transformers checkpoints a layer only while that layer is in training mode, and our models stay
+    in eval mode (no dropout: old and new log-probs must come from the same function), where
+    `gradient_checkpointing_enable()` alone does nothing. So the checkpointed layers' own flag is set: it is
+    what decides the checkpointing, while every module inside them (attention, MLP, dropout) stays in eval
+    mode. (A layer whose own forward applied dropout would start dropping out; Qwen2's does not.)"""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.training = True
 
 
 def build_optimizers(cfg: Config, actor, critic):

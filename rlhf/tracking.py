@@ -145,10 +145,9 @@ class Float32LogitsWatch:
     (B, T, V) logits tensor is made where the code says it is not (rlhf.core_algos.LOGITS_CHUNK_ROWS)."""
 
     def __init__(self, vocab_size: int):
+        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
-
-        import torch
 
         self.rows, self.shape, self.op = 0, None, None
         watch = self

@@ -79,3 +79,36 @@ def test_resolve_dtype():
     assert resolve_dtype(torch.float16) is torch.float16
     with pytest.raises(ValueError, match="float32, bfloat16, float16"):
         resolve_dtype("fp8")
+
+
+def test_gradient_checkpointing_recomputes_the_layers_in_eval_mode_and_changes_no_gradient(model_dir):
+    """model.gradient_checkpointing=true: each decoder layer runs again in the backward (its MLP is called twice
+    per forward + backward, against once without), no module that could drop out is in training mode, and
+    the gradients are those of the plain model. (transformers checkpoints only layers in training mode, and
+    ours are in eval mode: without rlhf.setup.enable_gradient_checkpointing nothing would be recomputed.)"""
+    from rlhf.config import load_config
+    from rlhf.setup import load_models
+
+    tokenizer = load_tokenizer(model_dir)
+    batch = _rollout_batch(tokenizer, ["1 + 2 = ?", "3 * 4 ="], ["3", "12 #### 12"])
+    gradients, calls = {}, {}
+    for checkpointing in (False, True):
+        cfg = load_config(None, [f"model.path={model_dir}", f"model.gradient_checkpointing={checkpointing}",
+                                 "trainer.log_kl_panel=false"])
+        actor = load_models(cfg, model_dir)[0]
+        mlp = actor.model.layers[0].mlp
+        assert not actor.training and not mlp.training and not actor.model.layers[0].self_attn.training
+        count, mlp_forward = [], mlp.forward
+
+        def counted(*args, **kwargs):  # (a forward hook would not see the recomputation)
+            count.append(1)
+            return mlp_forward(*args, **kwargs)
+
+        mlp.forward = counted
+        out = actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], use_cache=False)
+        out.logits.float().logsumexp(-1).mean().backward()
+        calls[checkpointing] = len(count)
+        gradients[checkpointing] = torch.cat([p.grad.flatten() for p in actor.parameters() if p.grad is not None])
+    assert calls == {False: 1, True: 2}
+    torch.testing.assert_close(gradients[True], gradients[False], rtol=1e-5, atol=1e-7)
