@@ -154,9 +154,9 @@ def test_the_embedded_default_fits_several_processes_as_it_is():
     cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), [])
     for num_processes in (1, 2, 4):
         validate(cfg, num_processes=num_processes)
-    with pytest.raises(ConfigError, match=r"divisors of 16"):  # a smaller micro-batch must still divide
-        validate(load_config(os.path.join(REPO, "configs", "tiny.yaml"), ["actor.ppo_micro_batch_size=12"]),
-                 num_processes=2)
+    cfg.actor.ppo_micro_batch_size = 12  # a smaller micro-batch must still divide the share
+    with pytest.raises(ConfigError, match=r"divisors of 16"):
+        validate(cfg, num_processes=2)
 
 
 def test_world_size_without_distributed_setup_is_refused(tmp_path, monkeypatch, capsys):

@@ -36,7 +36,8 @@ def test_kv_cache_formula_is_the_cache_size():
     """A small model of the same proportions, prompts + responses of the config's lengths, in bfloat16."""
     shape = dict(hidden=64, layers=3, heads=4, kv_heads=2, mlp=96, vocab=128)
     cfg = load_config(recipe_memory.RECIPE, ["data.max_prompt_length=6", "data.max_response_length=4",
-                                            "data.train_batch_size=5"])
+                                            "data.train_batch_size=5", "actor.ppo_mini_batch_size=5",
+                                            "actor.ppo_micro_batch_size=5"])
     model = Qwen2ForCausalLM(qwen2_config(shape)).to(torch.bfloat16).eval()
     cache = DynamicCache()
     with torch.no_grad():
