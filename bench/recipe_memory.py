@@ -18,7 +18,7 @@ Each row is one kind of tensor at its largest, in GiB per process:
 - checkpointed activations: one float32 hidden state per layer and token of a micro-batch, plus one
   layer's activations being recomputed (an estimate: 16 hidden-sized bf16 tensors and the MLP's 3).
 What is not counted: the CUDA context and allocator slack (~1-2 GB in practice), the attention's own
-buffers. Prompts are counted at data.max_prompt_length (GSM8K's are ~100-300 tokens: less in practice).
+buffers. Prompts are counted at data.max_prompt_length (GSM8K's word problems are shorter: less in practice).
 Sampling, the log-prob pass and the update do not overlap (each one's tensors are freed before the next),
 so the peak is static + the largest of the three moments.
 """

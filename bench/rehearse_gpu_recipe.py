@@ -1,7 +1,7 @@
 """Rehearse the GPU recipe on a CPU at Qwen2.5-0.5B's real shape, before a user's first GPU run does.
 
     python bench/rehearse_gpu_recipe.py              # real width and vocabulary, 12 of the 24 layers
-    python bench/rehearse_gpu_recipe.py --layers 24  # full depth: needs more than 24 GB of RAM (README)
+    python bench/rehearse_gpu_recipe.py --layers 24  # full depth: ~18 min, 22.2 GiB peak here (README)
     python bench/rehearse_gpu_recipe.py --gpu --layers 24   # on a GPU machine: the recipe's own batch sizes
 
 What runs is the recipe's command,
@@ -15,13 +15,14 @@ PPO epoch, the critic, greedy evaluation.
 
 The model and data are made here, with no network:
 - a Qwen2ForCausalLM with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864,
-  vocabulary 151,936, tied embeddings; --layers sets the depth, 12 by default so that it fits in 24 GB of
-  RAM), randomly initialised and saved in bfloat16 as the hub's is;
+  vocabulary 151,936, tied embeddings; --layers sets the depth, 12 by default: half the time, room to
+  spare), randomly initialised and saved in bfloat16 as the hub's is;
 - the embedded default's tokenizer (a 494-token byte-level BPE with a ChatML template), not Qwen's: the
   embedding has the real 151,936 rows, and the few ids the tokenizer knows are all it can decode (a random
   model samples almost only ids above them, which decode to nothing and score 0);
-- GSM8K-schema rows (question, "... #### N" answer) whose chat-templated prompts are 100 to 300 tokens,
-  the range of GSM8K's under Qwen's tokenizer (its questions are ~46 words on average, the longest ~200).
+- GSM8K-schema rows (question, "... #### N" answer) whose chat-templated prompts are 100 to 300 tokens:
+  GSM8K's questions are short word problems, and next to the 512-token responses the prompts' share of the
+  memory is small (GSM8K itself cannot be tokenized here, offline, to match it exactly).
 A random model almost never samples EOS, so every response runs to the full 512 tokens: the worst case.
 
 Run A trains `--steps` steps with a checkpoint after each; the last checkpoint is then deleted and run B
@@ -36,7 +37,7 @@ resumes from the one before (`trainer.resume_from=auto`) and repeats the last st
 - peak memory: the training process's peak resident set size (CPU; ru_maxrss), or the device's
   max_memory_allocated (GPU), as logged in perf/max_memory_allocated_gb; beside it, what
   bench/recipe_memory.py computes for the same config and depth.
-Results go to <output>/results.json and are printed as one table.
+Results go to <output>/results.json and are printed, one per line; the last line says PASSED or FAILED.
 """
 
 from __future__ import annotations
@@ -166,9 +167,9 @@ def finite_rows(rows: list[dict]) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    # 12: the full 24 layers' float32 actor and critic with AdamW states (15.6 GiB) plus the step went past this
-    # project's 24 GB machine in step 2 (killed at 22.3 GiB); the width and vocabulary, where the logits'
-    # memory is, stay real.
+    # 12: the full 24 layers ran here in 17.8 min with a 22.2 GiB peak, 1.3 GiB short of this machine's
+    # memory; 12 take 9.8 min with room to spare. The width and vocabulary, where the logits' memory is,
+    # stay real at any depth.
     parser.add_argument("--layers", type=int, default=12,
                         help="decoder layers (Qwen2.5-0.5B has 24; fewer keep the real width and vocabulary)")
     parser.add_argument("--steps", type=int, default=2, help="PPO steps of run A (run B repeats the last)")
