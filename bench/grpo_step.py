@@ -92,7 +92,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for pp
 import ppo_step  # noqa: E402
 from ppo_step import (KL_COEF, LR, PHASES, PROMPT_WIDTH, QWEN_0_5B_SIZE, RESPONSE_LENGTH,  # noqa: E402
                       SEED, SETUP, GenerationClock, OursMinimal, OursSide, PhaseTimer, build_workload,
-                      count_decode_steps, count_optimizer_steps, load_workload, our_config, sync)
+                      count_decode_steps, count_optimizer_steps, interleaved_rounds, load_workload, our_config,
+                      sync)
 
 import torch  # noqa: E402
 
@@ -429,16 +430,7 @@ def main() -> None:
                   "the KL panel (the 'estimator only' row does not); TRL masks EOS while sampling (min_new_tokens), "
                   "ours samples it and ignores it; group std + 1e-4 (TRL) vs + 1e-6 (ours).")
 
-            for _ in range(args.warmup):
-                for _, side in sides:
-                    side.step()
-            times: dict[str, list[dict[str, float]]] = {key: [] for key, _ in sides}
-            for r in range(args.iters):
-                order = sides[r % len(sides):] + sides[:r % len(sides)]  # rotate: no side always goes first
-                for key, side in order:
-                    times[key].append(side.step())
-                print(f"round {r + 1}/{args.iters}: " + ", ".join(f"{k} {times[k][-1]['step']:.3f}s"
-                                                                  for k, _ in sides), flush=True)
+            times = interleaved_rounds(sides, args.warmup, args.iters)
         finally:
             trl_side.close()
         memory = {} if args.skip_memory else {k: measure_memory(k, workdir, args.threads)

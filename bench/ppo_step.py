@@ -70,6 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
+from recipe_memory import QWEN2_5_0_5B  # noqa: E402  (bench/, beside this file: the model's shape)
 from rlhf.tracking import Timer  # noqa: E402  (the trainer's timer, which PhaseTimer extends)
 
 NUM_PROMPTS = 32
@@ -84,9 +85,7 @@ MODEL_SIZE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, n
                   num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512)
 # --gpu: randomly initialised models of Qwen2.5-0.5B's shape (the tokenizer stays the 400-token one; the
 # other embedding rows are simply never prompted, though they can be sampled), bf16 autocast, on CUDA.
-QWEN_0_5B_SIZE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                      num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512,
-                      vocab_size=151_936)
+QWEN_0_5B_SIZE = {**QWEN2_5_0_5B, "max_position_embeddings": 512}
 SETUP = argparse.Namespace(model_size=MODEL_SIZE, bf16=False)  # set once by main() from the flags
 
 
@@ -590,6 +589,21 @@ PHASES = (("generate", ("gen",)), ("old_logprob", ("old_log_prob",)), ("referenc
           ("values", ("values",)), ("update", ("update_actor", "update_critic", "update")))
 
 
+def interleaved_rounds(sides: list[tuple[str, object]], warmup: int, iters: int) -> dict[str, list[dict]]:
+    """`warmup` untimed steps of every side, then `iters` rounds of one step each, the order rotating so no side
+    always goes first; each side's step results in order, a line printed per round."""
+    for _ in range(warmup):
+        for _, side in sides:
+            side.step()
+    times: dict[str, list[dict[str, float]]] = {key: [] for key, _ in sides}
+    for r in range(iters):
+        for key, side in sides[r % len(sides):] + sides[:r % len(sides)]:
+            times[key].append(side.step())
+        print(f"round {r + 1}/{iters}: " + ", ".join(f"{k} {times[k][-1]['step']:.3f}s" for k, _ in sides),
+              flush=True)
+    return times
+
+
 def start(threads: int, gpu: bool):
     """What every benchmark here does first: threads, the model size (--gpu: Qwen2.5-0.5B's shape, bf16),
     TRL present, transformers quiet. Returns the (trl, transformers) modules, for their versions."""
@@ -664,16 +678,7 @@ def main() -> None:
         sides = [("trl", trl_side), ("ours", ours), ("minimal", minimal), ("floor", floor)]
         trl_side.check()  # exactly RESPONSE_LENGTH decoding steps, 2 optimizer steps
         ours.check()
-        for _ in range(args.warmup):
-            for _, side in sides:
-                side.step()
-        times: dict[str, list[dict[str, float]]] = {key: [] for key, _ in sides}
-        for r in range(args.iters):
-            order = sides[r % len(sides):] + sides[:r % len(sides)]  # rotate: no side always goes first
-            for key, side in order:
-                times[key].append(side.step())
-            print(f"round {r + 1}/{args.iters}: " + ", ".join(f"{k} {times[k][-1]['step']:.3f}s" for k, _ in sides),
-                  flush=True)
+        times = interleaved_rounds(sides, args.warmup, args.iters)
 
         for key in args.profile:
             profile(dict(sides)[key], key)

@@ -36,8 +36,10 @@ from rlhf.core_algos import LOGITS_CHUNK_ROWS  # noqa: E402
 
 GIB = 2**30
 RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")
-# Qwen/Qwen2.5-0.5B-Instruct's config.json
-SHAPE = dict(hidden=896, layers=24, heads=14, kv_heads=2, mlp=4864, vocab=151_936)
+# Qwen/Qwen2.5-0.5B-Instruct's config.json, the fields that set its shape, under Qwen2Config's names (the
+# rehearsal and the benchmark build their models from this one dict)
+QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Micro-batch sizes for each card (one GPU, or DDP); the recipe's own are the 24 GB column.
 CARDS = {24: [],
@@ -45,25 +47,27 @@ CARDS = {24: [],
          80: ["actor.ppo_micro_batch_size=16", "rollout.log_prob_micro_batch_size=32"]}
 
 
-def num_parameters(shape: dict = SHAPE, lm_head: bool = False) -> int:
-    """Parameters of a Qwen2 model of this shape with tied embeddings (biases on q, k, v as in Qwen2); the
-    critic's one-output score head is counted by the caller."""
-    h, kv_dim = shape["hidden"], shape["kv_heads"] * (shape["hidden"] // shape["heads"])
+def num_parameters(shape: dict = QWEN2_5_0_5B) -> int:
+    """Parameters of a Qwen2 causal LM of this shape with tied embeddings (biases on q, k, v as in Qwen2);
+    the critic's one-output score head is counted by the caller."""
+    h = shape["hidden_size"]
+    kv_dim = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
     attention = h * h + h + 2 * (h * kv_dim + kv_dim) + h * h  # q (+bias), k, v (+bias), o
-    layer = attention + 3 * h * shape["mlp"] + 2 * h  # gate, up, down; two RMSNorms
-    return shape["vocab"] * h + shape["layers"] * layer + h + (shape["vocab"] * h if lm_head else 0)
+    layer = attention + 3 * h * shape["intermediate_size"] + 2 * h  # gate, up, down; two RMSNorms
+    return shape["vocab_size"] * h + shape["num_hidden_layers"] * layer + h
 
 
-def memory(cfg: Config, num_processes: int = 1, shape: dict = SHAPE) -> dict[str, float]:
-    """GiB per process of each row (see the module docstring), plus 'static', 'peak'."""
-    h, v = shape["hidden"], shape["vocab"]
-    head_dim = h // shape["heads"]
+def memory(cfg: Config, shape: dict = QWEN2_5_0_5B) -> dict[str, float]:
+    """GiB per process of each row (see the module docstring), plus 'static', 'peak'; one GPU, or DDP."""
+    h, v, layers, mlp = (shape[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size"))
+    head_dim = h // shape["num_attention_heads"]
     weight_bytes = BYTES[cfg.model.dtype]
     actor, critic = num_parameters(shape), num_parameters(shape) + h + 1
     tokens = cfg.data.max_prompt_length + cfg.data.max_response_length
     rows = cfg.data.max_response_length + 1  # logits kept per response (train.py's response_logits)
-    rollout_batch = cfg.data.train_batch_size * cfg.rollout.n // num_processes
+    rollout_batch = cfg.data.train_batch_size * cfg.rollout.n
     full_loss = cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full"
+    micro = cfg.actor.ppo_micro_batch_size
     out = {
         "actor weights": actor * weight_bytes,
         "actor gradients": actor * weight_bytes,
@@ -73,27 +77,20 @@ def memory(cfg: Config, num_processes: int = 1, shape: dict = SHAPE) -> dict[str
         "critic AdamW states": 2 * critic * 4,
         "reference": num_parameters(shape) * BYTES[cfg.model.ref_dtype or cfg.model.dtype],
         "bf16 copy of the weights in use (autocast)": actor * 2 if weight_bytes == 4 else 0,
-        "KV cache (sampling)": shape["layers"] * 2 * shape["kv_heads"] * head_dim * tokens * rollout_batch * 2,
-        "prefill MLP activations (sampling, transient)": rollout_batch * cfg.data.max_prompt_length
-                                                         * shape["mlp"] * 3 * 2,
+        "KV cache (sampling)": layers * 2 * shape["num_key_value_heads"] * head_dim * tokens * rollout_batch * 2,
+        "prefill MLP activations (sampling, transient)": rollout_batch * cfg.data.max_prompt_length * mlp * 3 * 2,
         "logits, rollout log-prob pass": 2 * cfg.rollout.log_prob_micro_batch_size * rows * v * 2,
-        "logits, update": (3 if full_loss else 2) * cfg.actor.ppo_micro_batch_size * rows * v * 2
-                          + LOGITS_CHUNK_ROWS * v * 4,
-        "activations, update (estimate)": cfg.actor.ppo_micro_batch_size * tokens * h
-                                          * (shape["layers"] * 4 + 16 * 2) + cfg.actor.ppo_micro_batch_size
-                                          * tokens * shape["mlp"] * 3 * 2,
+        "logits, update": (3 if full_loss else 2) * micro * rows * v * 2 + LOGITS_CHUNK_ROWS * v * 4,
+        "activations, update (estimate)": micro * tokens * h * (layers * 4 + 16 * 2) + micro * tokens * mlp * 3 * 2,
     }
     out = {key: value / GIB for key, value in out.items()}
-    if num_processes > 1:  # FSDP: the trained models' weights, gradients and AdamW states are split
-        for key in list(out):
-            if key.startswith(("actor", "critic")):
-                out[key] /= num_processes
     out["static"] = sum(v for k, v in out.items() if k.startswith(("actor", "critic", "reference")))
     prompt_share = cfg.data.max_prompt_length / tokens  # of the KV cache, when the prefill runs
     sampling = max(out["KV cache (sampling)"], out["KV cache (sampling)"] * prompt_share
                    + out["prefill MLP activations (sampling, transient)"])
-    out["peak"] = out["static"] + out["bf16 copy of the weights in use (autocast)"] + max(sampling, out["logits, rollout log-prob pass"],
-                                      out["logits, update"] + out["activations, update (estimate)"])
+    update = out["logits, update"] + out["activations, update (estimate)"]
+    out["peak"] = (out["static"] + out["bf16 copy of the weights in use (autocast)"]
+                   + max(sampling, out["logits, rollout log-prob pass"], update))
     return out
 
 

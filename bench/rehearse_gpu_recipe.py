@@ -68,10 +68,8 @@ from rlhf.tracking import read_metrics  # noqa: E402
 
 RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")
 ONE_GPU = os.path.join(REPO, "configs", "accelerate", "one_gpu.yaml")  # 1 process; no GPU needed
-# Qwen/Qwen2.5-0.5B-Instruct's config.json, the fields that set the shape.
-QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                    num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True,
-                    max_position_embeddings=32_768, rms_norm_eps=1e-6)
+# Qwen/Qwen2.5-0.5B-Instruct's config.json: the shape, and the two fields beside it that the rehearsal keeps
+QWEN2_5_0_5B = {**recipe_memory.QWEN2_5_0_5B, "max_position_embeddings": 32_768, "rms_norm_eps": 1e-6}
 PROMPT_TOKENS = (100, 300)  # chat-templated prompt lengths drawn uniformly in this range
 NOT_COMPARED = ("timing_s/", "perf/")  # wall-clock numbers differ between two runs of the same step
 
@@ -145,8 +143,9 @@ def launch(harness: str, report: str, args: list[str], log_path: str) -> tuple[d
     # accelerate launch gives a CPU process 1 thread unless OMP_NUM_THREADS says otherwise. Transparent huge
     # pages for torch's large CPU tensors: each new 0.6 GB logits tensor otherwise faults in 150k small pages,
     # which made the steps several times slower in this project's virtual machine.
-    env = {"OMP_NUM_THREADS": str(os.cpu_count()), "THP_MEM_ALLOC_ENABLE": "1", **os.environ, "REPO": REPO, "REHEARSAL_REPORT": report, "REHEARSAL_VOCAB": str(QWEN2_5_0_5B["vocab_size"]),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": str(os.cpu_count()), "THP_MEM_ALLOC_ENABLE": "1", **os.environ, "REPO": REPO,
+           "REHEARSAL_REPORT": report, "REHEARSAL_VOCAB": str(QWEN2_5_0_5B["vocab_size"]), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ONE_GPU, "--mixed_precision",
                "bf16", harness, "--config", RECIPE, *args]
     start = time.perf_counter()
@@ -236,7 +235,8 @@ def main() -> None:
     }
     results["float32_logits_within_chunk"] = results["float32_logits_max_rows"] <= LOGITS_CHUNK_ROWS
     # bench/recipe_memory.py's computation for this run's config and depth, beside the measured peak
-    computed = recipe_memory.memory(load_config(RECIPE, run_args), shape={**recipe_memory.SHAPE, "layers": args.layers})
+    computed = recipe_memory.memory(load_config(RECIPE, run_args),
+                                    shape={**QWEN2_5_0_5B, "num_hidden_layers": args.layers})
     results["computed_static_gb"], results["computed_peak_gb"] = computed["static"], computed["peak"]
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -15,30 +15,24 @@ import recipe_memory  # noqa: E402
 from rlhf.config import load_config  # noqa: E402
 
 
-def qwen2_config(shape: dict, **kwargs) -> Qwen2Config:
-    return Qwen2Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["mlp"],
-                       num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                       num_key_value_heads=shape["kv_heads"], tie_word_embeddings=True, **kwargs)
-
-
 def test_parameter_counts_are_the_models():
-    config = qwen2_config(recipe_memory.SHAPE, num_labels=1)
+    config = Qwen2Config(**recipe_memory.QWEN2_5_0_5B, num_labels=1)
     with torch.device("meta"):
         actor, critic = Qwen2ForCausalLM(config), Qwen2ForTokenClassification(config)
     assert recipe_memory.num_parameters() == sum(p.numel() for p in actor.parameters()) == 494_032_768
-    shape = recipe_memory.SHAPE
     expected_critic = sum(p.numel() for p in critic.parameters())
     assert recipe_memory.memory(load_config(recipe_memory.RECIPE, []))["critic weights"] * 2**30 == expected_critic * 4
-    assert expected_critic == recipe_memory.num_parameters() + shape["hidden"] + 1
+    assert expected_critic == recipe_memory.num_parameters() + config.hidden_size + 1
 
 
 def test_kv_cache_formula_is_the_cache_size():
     """A small model of the same proportions, prompts + responses of the config's lengths, in bfloat16."""
-    shape = dict(hidden=64, layers=3, heads=4, kv_heads=2, mlp=96, vocab=128)
+    shape = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96, vocab_size=128, tie_word_embeddings=True)
     cfg = load_config(recipe_memory.RECIPE, ["data.max_prompt_length=6", "data.max_response_length=4",
                                             "data.train_batch_size=5", "actor.ppo_mini_batch_size=5",
                                             "actor.ppo_micro_batch_size=5"])
-    model = Qwen2ForCausalLM(qwen2_config(shape)).to(torch.bfloat16).eval()
+    model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).eval()
     cache = DynamicCache()
     with torch.no_grad():
         model(torch.ones(5, 10, dtype=torch.long), past_key_values=cache, use_cache=True)
