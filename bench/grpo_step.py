@@ -93,7 +93,7 @@ import ppo_step  # noqa: E402
 from ppo_step import (KL_COEF, LR, PHASES, PROMPT_WIDTH, QWEN_0_5B_SIZE, RESPONSE_LENGTH,  # noqa: E402
                       SEED, SETUP, GenerationClock, OursMinimal, OursSide, PhaseTimer, build_workload,
                       count_decode_steps, count_optimizer_steps, interleaved_rounds, load_workload, our_config,
-                      sync)
+                      print_versions_and_load, sync)
 
 import torch  # noqa: E402
 
@@ -404,12 +404,7 @@ def main() -> None:
             sides = [("trl", trl_side), ("ours", ours), ("minimal", minimal), ("gae", gae)]
             num_params = sum(p.numel() for p in ours.models[0].parameters())
             device = ours.accelerator.device
-            print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-                  f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
-                  f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-            if os.getloadavg()[0] > (os.cpu_count() or 1):
-                print("warning: the machine is busy (load above the CPU count): timings are inflated and noisy; "
-                      "compare the sides within this run, not runs with each other.")
+            print_versions_and_load(trl, transformers)
             if device.type == "cuda":
                 print(f"device: {torch.cuda.get_device_name()}")
             print(f"workload: Qwen2 {num_params / 1e6:.2f}M parameters (vocab {ours.models[0].config.vocab_size}), "

@@ -604,6 +604,16 @@ def interleaved_rounds(sides: list[tuple[str, object]], warmup: int, iters: int)
     return times
 
 
+def print_versions_and_load(trl, transformers) -> None:
+    """The versions, threads and load a timing was taken under, with a warning when the machine is busy."""
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
+          f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    if os.getloadavg()[0] > (os.cpu_count() or 1):
+        print("warning: the machine is busy (load above the CPU count): timings are inflated and noisy; "
+              "compare the sides within this run, not runs with each other.")
+
+
 def start(threads: int, gpu: bool):
     """What every benchmark here does first: threads, the model size (--gpu: Qwen2.5-0.5B's shape, bf16),
     TRL present, transformers quiet. Returns the (trl, transformers) modules, for their versions."""
@@ -653,12 +663,7 @@ def main() -> None:
         num_objects = len(gc.get_objects())
         gc_ms = 1e3 * statistics.median(timed(gc.collect) for _ in range(3))
         num_params = sum(p.numel() for p in ours.models[0].parameters())
-        print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-              f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
-              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-        if os.getloadavg()[0] > (os.cpu_count() or 1):
-            print("warning: the machine is busy (load above the CPU count): timings are inflated and noisy; "
-                  "compare the sides within this run, not runs with each other.")
+        print_versions_and_load(trl, transformers)
         vocab_size = ours.models[0].config.vocab_size
         device = ours.accelerator.device
         if device.type == "cuda":
