@@ -308,7 +308,7 @@ def _parse_number(text: str, kind: type) -> Any:
 
 
 def config_table() -> str:
-    """The README's table of config keys: `| key | default | meaning |`, from the dataclasses above and the
+    """docs/config.md's table of config keys: `| key | default | meaning |`, from the dataclasses above and the
     comment on each field's line (`python -c "from rlhf.config import config_table; print(config_table())"`)."""
     import inspect
     import re

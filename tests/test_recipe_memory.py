@@ -1,5 +1,5 @@
-"""bench/recipe_memory.py, the README's memory table: its parameter counts are the models', its KV-cache
-formula is the cache's size, and the README shows what it prints."""
+"""bench/recipe_memory.py, docs/gpu.md's memory table: its parameter counts are the models', its KV-cache
+formula is the cache's size, and docs/gpu.md shows what it prints."""
 
 import os
 import subprocess
@@ -40,9 +40,9 @@ def test_kv_cache_formula_is_the_cache_size():
     assert recipe_memory.memory(cfg, shape=shape)["KV cache (sampling)"] * 2**30 == cache_bytes
 
 
-def test_readme_shows_the_table():
+def test_gpu_page_shows_the_table():
     printed = subprocess.run([sys.executable, os.path.join(REPO, "bench", "recipe_memory.py")], capture_output=True,
                              text=True, check=True).stdout
     table = printed[printed.index("| GiB per GPU"):].strip()
-    with open(os.path.join(REPO, "README.md")) as f:
+    with open(os.path.join(REPO, "docs", "gpu.md")) as f:
         assert table in f.read()
