@@ -17,7 +17,7 @@ kl_penalty of x, given old_logprob = log pi_old(x) if `corrected` (rho-weighted,
 
 import torch
 
-from rlhf.kl import PANEL_ESTIMATORS, kl_penalty, rho_in_graph
+from rlhf.kl.estimators import PANEL_ESTIMATORS, kl_penalty, rho_in_graph
 
 # docs/kl.md's worked examples: (pi, ref) as probabilities over a 4-token vocabulary.
 EXAMPLES: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {

@@ -1,0 +1,208 @@
+"""The sampled KL estimators: k1, k2, k3, abs and their straight-through `X+` forms, by name.
+
+Each estimator is a pure function `(logprob, ref_logprob) -> same shape`, registered under verl's names by
+@register_estimator; kl_penalty parses a name (one optional trailing `+`) and applies it, with the
+importance weight for off-policy tokens; kl_panel logs all of them side by side. The table of values, biases
+and gradients, and why rho is in the graph or detached, is the docstring of `rlhf.kl`.
+"""
+
+from typing import Callable
+
+import torch
+
+from rlhf.core_algos import masked_mean
+
+Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# name -> estimator function; aliases map to the same function. Filled by @register_estimator.
+_ESTIMATORS: dict[str, Estimator] = {}
+# the estimators registered with unbiased=True: off-policy, kl_penalty puts rho inside their autograd graph
+_UNBIASED: set[Estimator] = set()
+
+
+def register_estimator(name: str, *aliases: str, unbiased: bool = False) -> Callable[[Estimator], Estimator]:
+    """Register a base estimator `(logprob, ref_logprob) -> same shape` under `name` and its aliases.
+
+    Adding an estimator is one decorated function below (ESTIMATOR_NAMES is built from the registry after
+    them). Names may not end in `+` (reserved for the straight-through form) and may not be `full`.
+    `unbiased=True` declares E_{x~pi}[value] == KL(pi || ref) for every pi: kl_penalty then weights it
+    off-policy by rho inside the graph, whose gradient is exactly grad KL(pi || ref); otherwise rho is
+    detached, which keeps the estimator's on-policy expected gradient.
+    """
+
+    def decorator(fn: Estimator) -> Estimator:
+        for n in (name, *aliases):
+            if n in _ESTIMATORS or n.endswith("+") or n in ("", "full"):
+                raise ValueError(f"cannot register KL estimator {n!r}: taken or reserved")
+            _ESTIMATORS[n] = fn
+        if unbiased:
+            _UNBIASED.add(fn)
+        return fn
+
+    return decorator
+
+
+@register_estimator("k1", "kl", unbiased=True)
+def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """k1 = d. Unbiased for KL(pi||ref) but negative about half the time; d/dlogprob = 1, so as a loss its
+    expected gradient is 0 (E[grad log pi] = 0) while in the reward it gives grad KL(pi||ref) (Schulman 2020)."""
+    return logprob - ref_logprob
+
+
+@register_estimator("k2", "mse")
+def kl_k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """k2 = d^2 / 2. Biased (third order in d, either sign: E[k2] < KL in docs/kl.md's example A), low variance;
+    d/dlogprob = d, so as a loss its expected gradient is exactly grad KL(pi||ref) (Schulman 2020; Liu et al.
+    arXiv:2510.01555: k2 as a loss is gradient-equivalent to k1 in the reward)."""
+    return 0.5 * (logprob - ref_logprob).square()
+
+
+@register_estimator("k3", "low_var_kl", unbiased=True)
+def kl_k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(ref - lp) - 1 + (lp - ref) = r - 1 - log r with r = pi_ref/pi. Unbiased and >= 0 per sample
+    (Schulman 2020); d/dlogprob = 1 - exp(-d), so as a loss (GRPO, Shao et al. arXiv:2402.03300) its
+    expected gradient is grad KL(ref||pi), the forward KL (Tang & Munos arXiv:2506.09477).
+
+    Mirrors verl's clamps: the exponent ref - lp is clamped to [-20, 20] and the value to [-10, 10], so the
+    value saturates at 10 (gradient 0) once d < ~-2.5 or d > ~11. expm1 keeps small values accurate.
+    """
+    neg_d = (ref_logprob - logprob).clamp(-20.0, 20.0)
+    return (torch.expm1(neg_d) - neg_d).clamp(-10.0, 10.0)
+
+
+@register_estimator("abs")
+def kl_abs(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """abs = |d|. Biased high (E[abs] >= KL); d/dlogprob = sign(d), so as a loss its expected gradient is
+    2 grad TV(pi, ref), not a KL gradient (Shah et al. arXiv:2512.21852)."""
+    return (logprob - ref_logprob).abs()
+
+
+BASE_ESTIMATOR_NAMES: tuple[str, ...] = tuple(_ESTIMATORS)
+ESTIMATOR_NAMES: tuple[str, ...] = BASE_ESTIMATOR_NAMES + tuple(n + "+" for n in BASE_ESTIMATOR_NAMES)
+PANEL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+
+_PLUS_RULE = (
+    "any of them may take a single trailing '+' (straight-through: the base value with k2's gradient)"
+)
+
+
+def _unknown_name_error(name: str, allow_full: bool) -> ValueError:
+    valid = ESTIMATOR_NAMES + (("full",) if allow_full else ())
+    hint = ""
+    fixed = name.strip().replace(" ", "").lower()
+    if fixed != name and fixed in valid:
+        hint = f" (did you mean {fixed!r}?)"
+    return ValueError(
+        f"unknown KL estimator {name!r}{hint}; valid names: {', '.join(valid)}. "
+        f"Base names {', '.join(BASE_ESTIMATOR_NAMES)}: {_PLUS_RULE}."
+    )
+
+
+def _parse(name: str) -> tuple[Estimator, bool]:
+    """Name -> (base estimator, straight-through?). Raises as check_estimator documents."""
+    if not isinstance(name, str):
+        raise TypeError(f"KL estimator name must be a str, got {type(name).__name__} {name!r}")
+    if name in ("full", "full+"):
+        raise ValueError(
+            f"KL estimator {name!r} is the exact KL over the vocabulary: it needs both models' logits, "
+            "not sampled log-probs, so kl_penalty cannot compute it; use full_kl(logits, ref_logits)"
+        )
+    plus = name.endswith("+")
+    base = name[:-1] if plus else name  # the fix of verl PR #6058: strip the suffix before dispatch
+    if base not in _ESTIMATORS:
+        raise _unknown_name_error(name, allow_full=False)
+    return _ESTIMATORS[base], plus
+
+
+def check_estimator(name: str, allow_full: bool = False) -> str:
+    """Validate an estimator name from a config and return it unchanged.
+
+    Raises TypeError for a non-str and ValueError (naming the input, every valid name and the `+` rule)
+    otherwise. With `allow_full`, `full` (the exact KL from logits, see full_kl) is also accepted, and
+    `full+` is refused because `full` already has the exact gradient.
+    """
+    if allow_full and name == "full":
+        return name
+    if allow_full and name == "full+":
+        raise ValueError(
+            "KL estimator 'full+' is not valid: 'full' is already the exact KL with the exact gradient, "
+            "so the '+' suffix (k2's gradient) does not apply; use 'full'"
+        )
+    try:
+        _parse(name)
+    except ValueError:
+        if allow_full:  # the list of valid names must include "full"
+            raise _unknown_name_error(name, allow_full=True) from None
+        raise
+    return name
+
+
+def canonical(name: str) -> str:
+    """The first-registered name of an estimator, keeping a `+` suffix: `low_var_kl+` -> `k3+`, `mse` -> `k2`,
+    `full` -> `full`. Raises like check_estimator(name, allow_full=True)."""
+    check_estimator(name, allow_full=True)
+    if name == "full":
+        return name
+    base, plus = _parse(name)
+    return next(n for n, fn in _ESTIMATORS.items() if fn is base) + ("+" if plus else "")
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 (and ints) -> float32; float32/float64 unchanged."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def kl_penalty(
+    logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str, old_logprob: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-token KL estimate, elementwise: logprob, ref_logprob (B, T) or any equal shape -> same shape.
+
+    `estimator` is one of ESTIMATOR_NAMES (see the module table). `X+` returns X's value (equal for finite
+    values) with k2's gradient, `k2 - k2.detach() + X.detach()`, i.e. d/dlogprob = logprob - ref_logprob
+    (and -(logprob - ref_logprob) w.r.t. ref_logprob if it requires grad). Half-precision inputs are computed
+    in float32 and the result is float32. Same name and argument order as verl's kl_penalty.
+
+    `old_logprob` (same shape, never differentiated) is the log-prob under the policy that sampled the tokens,
+    for a KL loss on off-policy samples (PPO after the first optimizer step). The result is then rho * term
+    with rho = exp(clamp(logprob - old_logprob, -20, 20)) as in the policy loss: rho inside the graph for k1
+    and k3, detached for k2, abs and every `X+` (the module docstring says why). Then E_{x~pi_old} of the
+    result's value is X's on-policy mean and, for k1, k2, k3 and every `X+`, E_{x~pi_old} of its gradient is
+    grad KL(pi || ref) (for abs, 2 grad TV as on-policy). Note that with rho in the graph the gradient
+    changes even where old_logprob == logprob (rho == 1): the on-policy k1 and k3 losses do not give
+    grad KL(pi || ref), the weighted ones do. None (the default) leaves the term unweighted, as before.
+    """
+    base, plus = _parse(estimator)
+    for other_name, other in (("ref_logprob", ref_logprob), ("old_logprob", old_logprob)):
+        if other is not None and other.shape != logprob.shape:
+            raise ValueError(f"logprob {tuple(logprob.shape)} and {other_name} {tuple(other.shape)} differ")
+    logprob, ref_logprob = upcast(logprob), upcast(ref_logprob)
+    value = base(logprob, ref_logprob)
+    if plus:
+        k2 = kl_k2(logprob, ref_logprob)
+        value = k2 - k2.detach() + value.detach()
+    if old_logprob is None:
+        return value
+    rho = torch.exp((logprob - upcast(old_logprob.detach())).clamp(-20.0, 20.0))
+    return (rho if rho_in_graph(estimator) else rho.detach()) * value
+
+
+def rho_in_graph(estimator: str) -> bool:
+    """Whether kl_penalty(..., old_logprob=...) puts rho inside the autograd graph for `estimator` (k1, k3 and
+    their aliases) rather than detaching it (k2, abs, every `X+`). Raises like check_estimator."""
+    base, plus = _parse(estimator)
+    return base in _UNBIASED and not plus
+
+
+@torch.no_grad()
+def kl_panel(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Token-mean of each PANEL_ESTIMATORS estimate over mask == 1, without grad: (B, T) x 3 -> metrics.
+
+    Returns {"kl/k1", "kl/k2", "kl/k3", "kl/abs"}; the trainer adds "kl/full" from full_kl. k1 and k3 estimate
+    the same number (k1 noisier, may go negative), k2 and abs are biased (see the module table).
+    """
+    if mask.shape != logprob.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} and logprob {tuple(logprob.shape)} differ")
+    return {
+        f"kl/{name}": masked_mean(kl_penalty(logprob, ref_logprob, name), mask).item()
+        for name in PANEL_ESTIMATORS
+    }
