@@ -36,7 +36,8 @@ from tqdm.auto import tqdm
 from rlhf import core_algos, kl, ppo
 from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_steps_message, check_resumable,
                              latest_checkpoint, save_checkpoint)
-from rlhf.config import Config, ConfigError, kl_tags, load_config, to_dict, validate, warnings_for
+from rlhf.compare.labels import kl_tags
+from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
 from rlhf.rewards.gsm8k import compute_score
 from rlhf.rollout import SamplingParams, generate, left_pad, logprobs_and_logits, response_values, slice_batch
 from rlhf.setup import Setup, setup, shard_on_cpu

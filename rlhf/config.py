@@ -226,24 +226,6 @@ def from_dict(raw: dict[str, Any]) -> Config:
     return _build(Config, raw, prefix="")
 
 
-def kl_tags(cfg: Config) -> list[str]:
-    """Where the KL is and which estimator, e.g. ["reward:k1", "loss:k3+"], or ["no-kl"]: the run's wandb
-    tags, and joined by " + " its label in rlhf.compare and the sweep. A KL loss with the off-policy
-    correction is `loss-corrected:<estimator>`."""
-    tags = []
-    if cfg.algorithm.use_kl_in_reward:
-        tags.append(f"reward:{cfg.algorithm.kl_penalty}")
-    if cfg.actor.use_kl_loss:
-        placement = "loss-corrected" if cfg.actor.kl_loss_off_policy_correction else "loss"
-        tags.append(f"{placement}:{cfg.actor.kl_loss_type}")
-    return tags or ["no-kl"]
-
-
-def run_label(cfg: Config) -> str:
-    """"reward:k1", "loss:k3+", "reward:k1 + loss:k2" or "no-kl" (see kl_tags)."""
-    return " + ".join(kl_tags(cfg))
-
-
 def _shipped_configs() -> str:
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     names = sorted(f for f in os.listdir(here) if f.endswith(".yaml")) if os.path.isdir(here) else []

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from rlhf import compare
-from rlhf.config import Config, ConfigError, from_dict, kl_tags, load_config, run_label, to_dict
+from rlhf.compare.labels import kl_tags, run_label
+from rlhf.config import Config, ConfigError, from_dict, load_config, to_dict
 from rlhf.config import EmbeddedConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,7 +233,7 @@ STUB_TRAIN = textwrap.dedent("""
 def stub_trainer(tmp_path, monkeypatch):
     path = tmp_path / "stub_train.py"
     path.write_text(STUB_TRAIN)
-    monkeypatch.setattr(compare, "TRAIN_PY", str(path))
+    monkeypatch.setattr("rlhf.compare.grid.TRAIN_PY", str(path))
     return path
 
 

@@ -1,0 +1,119 @@
+"""Compare KL estimators x placements over seeds: run a grid of train.py runs, then report from their metrics.jsonl.
+
+The command line of `python -m rlhf.compare` (examples in the package docstring; the paragraph above is
+`--help`'s description): check every run's config before the first one starts, run the grid, write the
+report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from rlhf.compare.grid import (DEFAULT_GRID, DEFAULT_STEPS, GRIDS, GRPO_GRID, Arm, grid_jobs, run_grid,
+                               run_overrides, seed_list, shared_overrides)
+from rlhf.compare.report import write_report
+from rlhf.config import ConfigError, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of `python -m rlhf.compare`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf.compare", description=__doc__.split("\n\n")[0],
+        epilog=f"grid ppo, the default ({len(DEFAULT_GRID)} runs, configs/tiny.yaml): {' '.join(DEFAULT_GRID)}\n"
+               f"grid grpo ({len(GRPO_GRID)} runs, configs/tiny_grpo.yaml): {' '.join(GRPO_GRID)}\n"
+               "estimators: any of train.py's (k1/kl, k2/mse, k3/low_var_kl, abs, X+, full).\n"
+               "report: per run, the mean over seeds with its 95% interval (Student t) of the final exact KL,\n"
+               "the final val/accuracy, the mean reward and each estimator's bias; differences to no-kl are\n"
+               "marked resolved when the 95% intervals do not overlap (see kl_estimators.md).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    grid = parser.add_argument_group("the grid")
+    grid.add_argument("--grid", choices=GRIDS, default="ppo",
+                      help="which default runs, config and output dir: ppo (GAE with a critic, configs/tiny.yaml) "
+                           "or grpo (configs/tiny_grpo.yaml); see below (default: %(default)s)")
+    grid.add_argument("--runs", nargs="+", metavar="RUN", default=None,
+                      help="runs to make, each reward:<estimator>, loss:<estimator>, loss-corrected:<estimator> "
+                           "or no-kl (default: the grid's, below)")
+    grid.add_argument("--config", default=None, help="base config (default: the grid's)")
+    grid.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                      help="PPO steps per run, trainer.total_steps (default: %(default)s)")
+    grid.add_argument("--kl-coef", type=float, default=None,
+                      help="the one KL coefficient, used for algorithm.kl_ctrl.kl_coef and actor.kl_loss_coef "
+                           "(default: the config's algorithm.kl_ctrl.kl_coef)")
+    grid.add_argument("--seed", type=int, default=None,
+                      help="trainer.seed of every run, the first one with --seeds (default: the config's)")
+    grid.add_argument("--seeds", type=int, default=1, metavar="N",
+                      help="run each grid point with N seeds: S, S+1, ..., S+N-1, S being --seed (or the "
+                           "config's trainer.seed); N > 1 puts seed s of a run in <output-dir>/<run>/seed<s>/ "
+                           "and takes N times as long (default: %(default)s, the layout <output-dir>/<run>/)")
+    grid.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="extra train.py overrides applied to every run, e.g. data.train_batch_size=32")
+    out = parser.add_argument_group("output")
+    out.add_argument("--output-dir", default=None,
+                     help="runs go to <dir>/<run>/ (<dir>/<run>/seed<s>/ with --seeds N > 1), the report to "
+                          "<dir>/kl_estimators.{png,md} (default: the grid's, outputs/kl_estimators[_grpo])")
+    out.add_argument("--cache-dir", default=None,
+                     help="trainer.cache_dir shared by all runs (default: the config's, else <output-dir>/cache)")
+    out.add_argument("--group", default=None, help="wandb group of the runs (default: kl-estimators-<date-time>)")
+    out.add_argument("--offline", action="store_true", help="wandb offline even with credentials (WANDB_MODE=offline)")
+    out.add_argument("--no-wandb", action="store_true", help="no wandb at all (trainer.logger=none)")
+    out.add_argument("--skip-done", action="store_true",
+                     help="keep runs (each seed's) in <output-dir> that already finished")
+    out.add_argument("--report-only", metavar="DIR",
+                     help="run nothing; redraw the report from the runs under DIR (one seed or several)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rlhf.compare` with `argv` (None: sys.argv[1:]). Returns the exit code: 0, 1 if a run
+    failed (the others and the report still made), 2 for a bad run name, seed count or config."""
+    args = build_parser().parse_args(argv)
+    grid_runs, grid_config, grid_output_dir = GRIDS[args.grid]
+    args.runs = list(grid_runs) if args.runs is None else args.runs
+    args.config = args.config or grid_config
+    args.output_dir = args.output_dir or grid_output_dir
+    if args.report_only:
+        png, md = write_report(args.report_only)
+        print(f"report: {png}\n        {md}")
+        return 0
+
+    # `--runs a b key=value` would swallow the overrides; run names never hold "=", so take them back.
+    args.overrides += [text for text in args.runs if "=" in text]
+    try:
+        arms = [Arm.parse(text) for text in args.runs if "=" not in text]
+        base = load_config(args.config, args.overrides)
+        seeds = seed_list(base.trainer.seed if args.seed is None else args.seed, args.seeds)
+    except (ValueError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    kl_coef = base.algorithm.kl_ctrl.kl_coef if args.kl_coef is None else args.kl_coef
+    group = args.group or f"kl-estimators-{time.strftime('%Y%m%d-%H%M%S')}"
+    output_dir = os.path.abspath(args.output_dir)
+    cache_dir = os.path.abspath(args.cache_dir or base.trainer.cache_dir or os.path.join(output_dir, "cache"))
+    config = os.path.abspath(args.config)
+    shared = shared_overrides(args.steps, kl_coef, args.seed, group)
+    extra = list(args.overrides) + (["trainer.logger=none"] if args.no_wandb else [])
+    try:  # every run's config is checked before the first one starts
+        for arm, seed in grid_jobs(arms, seeds):
+            load_config(config, run_overrides(arm, output_dir, cache_dir, shared, extra, seed))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    env = dict(os.environ, **({"WANDB_MODE": "offline"} if args.offline else {}))
+    layout = "<run>/" if len(seeds) == 1 else "<run>/seed<s>/"
+    print(f"{len(arms)} runs x {args.steps} steps x {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), "
+          f"KL coefficient {kl_coef}, wandb group {group}\n"
+          f"runs in {output_dir}/{layout}, embedded cache in {cache_dir}", flush=True)
+    start = time.perf_counter()
+    os.makedirs(output_dir, exist_ok=True)
+    status = run_grid(arms, config, output_dir, cache_dir, shared, extra, args.skip_done, env, seeds)
+    print(f"grid finished in {(time.perf_counter() - start) / 60:.1f} min")
+    png, md = write_report(output_dir, status)
+    print(f"report: {png}\n        {md}")
+    failed = [name for name, s in status.items() if s.startswith("failed")]
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+

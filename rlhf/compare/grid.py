@@ -1,0 +1,196 @@
+"""The grid of a comparison: its runs (Arm), the overrides and directory of each, and the runner.
+
+Every run gets the same seeds, the same number of steps and the same KL coefficient
+(`algorithm.kl_ctrl.kl_coef` and `actor.kl_loss_coef`, with a fixed controller). `--seeds N` gives each run
+the seeds S, S+1, ..., S+N-1 (S: `--seed`, else the config's `trainer.seed`). With one seed (the default) a
+run writes to `<output-dir>/<run>/` (train.py's output_dir); with N > 1, seed s of a run writes to
+`<output-dir>/<run>/seed<s>/`, and the grid goes seed by seed (every run with the first seed, then every run
+with the next). A run directory left by an earlier comparison is replaced (kept with `--skip-done` if it
+finished), also one in the other layout. The runs go one after another, each a fresh `train.py` process (a
+failing run is reported, not fatal), all in one wandb group; wandb runs offline without credentials. They
+share `trainer.cache_dir`, so the embedded warm start is built once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from rlhf.compare.labels import kl_overrides, parse_kl_tag, run_label
+from rlhf.config import load_config
+from rlhf.tracking import read_metrics
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN_PY = os.path.join(REPO_ROOT, "train.py")
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.yaml")
+# docs/kl.md's comparison: the principled (k1), the GRPO-style (k3) and the exact (full) estimator in the
+# reward; every loss form, including the two that should not regularise (k1) or regularise the wrong
+# direction (k3); and no KL. configs/sweeps/kl_estimators.yaml holds the same list (a test checks).
+DEFAULT_GRID = ("no-kl", "reward:k1", "reward:k3", "reward:full",
+                "loss:k1", "loss:k2", "loss:k3", "loss:k3+", "loss:full")
+# `--grid grpo`: the same estimators under GRPO (configs/tiny_grpo.yaml), where the KL goes in the loss.
+GRPO_GRID = ("no-kl", "loss:k1", "loss:k3", "loss:k3+", "loss:k2", "loss:full")
+GRIDS = {"ppo": (DEFAULT_GRID, DEFAULT_CONFIG, "outputs/kl_estimators"),
+         "grpo": (GRPO_GRID, os.path.join(REPO_ROOT, "configs", "tiny_grpo.yaml"), "outputs/kl_estimators_grpo")}
+# Steps per run: chosen so that the default grid (one seed, 9 runs), building the embedded warm start
+# included, finishes well within 30 minutes on a 2-core CPU machine. A run costs its PPO steps of
+# configs/tiny.yaml plus starting a process and two greedy evaluations; `--seeds N` multiplies the grid's
+# part by N. Re-time it (`time python -m rlhf.compare --offline`) when configs/tiny.yaml or the trainer
+# changes; configs/sweeps/kl_estimators.yaml uses the same number (a test checks).
+DEFAULT_STEPS = 20
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One run of the grid: where the KL goes and which estimator (None for no KL)."""
+
+    placement: str  # "reward" | "loss" | "loss-corrected" (the KL loss with the off-policy correction) | "none"
+    estimator: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Arm":
+        """`reward:k1`, `loss:k3+`, `loss-corrected:k3` or `no-kl` -> Arm (labels.parse_kl_tag). Raises
+        ValueError naming the valid forms."""
+        return cls(*parse_kl_tag(text))
+
+    @property
+    def name(self) -> str:
+        """The run's label (labels.run_label, also its wandb tag): `reward:k1`, `loss:k3+`, `no-kl`."""
+        return run_label(load_config(None, self.overrides()))
+
+    @property
+    def dirname(self) -> str:
+        return self.name.replace(":", "-")
+
+    def overrides(self) -> list[str]:
+        """The trainer overrides that put this run's KL where it belongs (and nowhere else)."""
+        return kl_overrides(self.placement, self.estimator)
+
+
+def shared_overrides(steps: int | None, kl_coef: float, seed: int | None, group: str) -> list[str]:
+    """What every run of a comparison has in common: the coefficient in both places (fixed), steps and, with
+    one seed, the seed (None: the config's)."""
+    out = ["algorithm.kl_ctrl.type=fixed", f"algorithm.kl_ctrl.kl_coef={kl_coef}",
+           f"actor.kl_loss_coef={kl_coef}", f"trainer.group={group}"]
+    if steps is not None:
+        out.append(f"trainer.total_steps={steps}")
+    if seed is not None:
+        out.append(f"trainer.seed={seed}")
+    return out
+
+
+def seed_list(first: int, count: int) -> list[int]:
+    """The seeds of `--seeds count`: first, first + 1, ..., first + count - 1."""
+    if count < 1:
+        raise ValueError(f"--seeds must be at least 1, got {count}.")
+    return [first + i for i in range(count)]
+
+
+def run_dir(output_dir: str, arm: Arm, seed: int | None = None) -> str:
+    """Where a run writes: `<output_dir>/<run>/` with one seed (seed None), `<output_dir>/<run>/seed<seed>/`
+    for one seed of several."""
+    return os.path.join(output_dir, arm.dirname, *([] if seed is None else [f"seed{seed}"]))
+
+
+def run_key(label: str, seed: int | None = None) -> str:
+    """How the runner's status and the report name a run: `loss:k3`, or `loss:k3 (seed 43)` for one seed of
+    several."""
+    return label if seed is None else f"{label} (seed {seed})"
+
+
+def run_overrides(arm: Arm, output_dir: str, cache_dir: str, shared: list[str], extra: list[str],
+                  seed: int | None = None) -> list[str]:
+    """All overrides of one run, in the order train.py applies them (later wins: `extra` comes last). With
+    several seeds, `seed` is this run's: it comes after `extra`, so that a `trainer.seed=` there cannot make
+    the seeds equal, and the run goes to its seed's directory (see run_dir)."""
+    name = arm.name if seed is None else f"{arm.name}/seed{seed}"  # the wandb run name
+    out = [*shared, *arm.overrides(), f"trainer.experiment_name={name}",
+           f"trainer.output_dir={run_dir(output_dir, arm, seed)}", f"trainer.cache_dir={cache_dir}", *extra]
+    return out + ([] if seed is None else [f"trainer.seed={seed}"])
+
+
+def grid_jobs(arms: list[Arm], seeds: list[int] | None) -> list[tuple[Arm, int | None]]:
+    """The runs to make, as (arm, seed): seed by seed, each with every arm in turn. `seeds` None or one seed:
+    [(arm, None), ...], the one-seed layout with the seed in the shared overrides."""
+    if seeds is None or len(seeds) == 1:
+        return [(arm, None) for arm in arms]
+    return [(arm, seed) for seed in seeds for arm in arms]
+
+
+# ----------------------------------------------------------------------------- running the grid
+
+
+def run_grid(arms: list[Arm], config: str, output_dir: str, cache_dir: str, shared: list[str],
+             extra: list[str], skip_done: bool = False, env: dict | None = None,
+             seeds: list[int] | None = None) -> dict[str, str]:
+    """Run each arm (with each of `seeds`, if several) as `python train.py --config ... overrides`, in turn.
+
+    Returns {run_key(run name, seed): "ok" | "skipped" | "failed (exit N)"}. Each run's stdout and stderr go
+    to `train.log` in its directory (run_dir); a run directory left by an earlier comparison is replaced (its
+    old checkpoints would otherwise mix with the new run's), unless `skip_done` and it already reached its
+    last step. A one-seed run left in `<output_dir>/<run>/` is removed before that run's seeds start.
+    """
+    status = {}
+    jobs = grid_jobs(arms, seeds)
+    for i, (arm, seed) in enumerate(jobs, 1):
+        overrides = run_overrides(arm, output_dir, cache_dir, shared, extra, seed)
+        total = load_config(config, overrides).trainer.total_steps
+        directory, key = run_dir(output_dir, arm, seed), run_key(arm.name, seed)
+        if seed is not None:
+            _remove_one_seed_run(run_dir(output_dir, arm))
+        if skip_done and last_step(directory) == total:
+            print(f"[{i}/{len(jobs)}] {key}: already has {total} steps in {directory}, skipped")
+            status[key] = "skipped"
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
+        print(f"[{i}/{len(jobs)}] {key}: {' '.join(arm.overrides())}  (log: {directory}/train.log)", flush=True)
+        status[key] = _train(config, overrides, directory, env)
+    return status
+
+
+def _train(config: str, overrides: list[str], directory: str, env: dict | None) -> str:
+    """One train.py process, logging to <directory>/train.log; returns "ok" or "failed (exit N)"."""
+    log_path = os.path.join(directory, "train.log")
+    command = [sys.executable, TRAIN_PY, "--config", config, *overrides]
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(" ".join(command) + "\n\n")
+        log.flush()
+        code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    seconds = time.perf_counter() - start
+    if code != 0:
+        print(f"    FAILED (exit {code}) after {seconds:.0f}s; last lines of {log_path}:\n" + _tail(log_path),
+              flush=True)
+        return f"failed (exit {code})"
+    final = read_metrics(os.path.join(directory, "metrics.jsonl"))[-1]
+    print(f"    done in {seconds:.0f}s: kl/full={final.get('kl/full', float('nan')):.4f} "
+          f"val/accuracy={final.get('val/accuracy', float('nan')):.3f}", flush=True)
+    return "ok"
+
+
+def _remove_one_seed_run(directory: str) -> None:
+    """Remove a one-seed run's files from <output_dir>/<run>/ (all but its seed<k>/ folders), so that the
+    report does not count it as one more seed next to the seed folders."""
+    if not os.path.exists(os.path.join(directory, "metrics.jsonl")):
+        return
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if not (name.startswith("seed") and os.path.isdir(path)):
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def last_step(run_dir: str) -> int | None:
+    """The last step a run directory's metrics.jsonl reached; None if it has none."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    rows = read_metrics(path) if os.path.exists(path) else []
+    return rows[-1]["step"] if rows else None
+
+
+def _tail(path: str, num_lines: int = 15) -> str:
+    with open(path, errors="replace") as f:
+        return "".join("      " + line for line in f.readlines()[-num_lines:])
