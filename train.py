@@ -101,7 +101,8 @@ def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer) -> 
     with timer("gen"), accelerator.autocast():
         batch = generate(accelerator.unwrap_model(actor), tokenizer, prompt_ids.to(accelerator.device),
                          prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator))
-    need_full = cfg.trainer.log_kl_panel or "full" in (cfg.algorithm.kl_penalty, cfg.actor.kl_loss_type)
+    kl_names = (cfg.algorithm.kl_penalty, cfg.actor.kl_loss_type)
+    need_full = cfg.trainer.log_kl_panel or any(kl.needs_logits(name) for name in kl_names)
     parts = defaultdict(list)
     for index in torch.arange(len(prompt_ids)).split(r.log_prob_micro_batch_size):
         micro = slice_batch(batch, index)
@@ -219,7 +220,7 @@ def micro_actor_loss(cfg: Config, actor, ref, micro, agg) -> tuple[torch.Tensor,
     with torch.set_grad_enabled(bool(cfg.actor.entropy_coeff)):  # out of the graph unless in the loss
         entropy = core_algos.entropy_from_logits(logits, temperature)
     full = None
-    if cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full":  # exact KL, through the actor's logits
+    if cfg.actor.use_kl_loss and kl.needs_logits(cfg.actor.kl_loss_type):  # exact KL, through the actor's logits
         with torch.no_grad():
             ref_logits = logprobs_and_logits(ref, micro, temperature)[1]
         full = kl.full_kl(logits, ref_logits, temperature)

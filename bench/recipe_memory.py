@@ -31,6 +31,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from rlhf import kl  # noqa: E402
 from rlhf.config import Config, load_config  # noqa: E402
 from rlhf.core_algos import LOGITS_CHUNK_ROWS  # noqa: E402
 
@@ -66,7 +67,7 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B) -> dict[str, float]:
     tokens = cfg.data.max_prompt_length + cfg.data.max_response_length
     rows = cfg.data.max_response_length + 1  # logits kept per response (train.py's response_logits)
     rollout_batch = cfg.data.train_batch_size * cfg.rollout.n
-    full_loss = cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full"
+    full_loss = cfg.actor.use_kl_loss and kl.needs_logits(cfg.actor.kl_loss_type)
     micro = cfg.actor.ppo_micro_batch_size
     out = {
         "actor weights": actor * weight_bytes,

@@ -131,14 +131,10 @@ def token_weighted_means(local_means: dict[str, float], num_tokens: torch.Tensor
 
 def kl_per_token(estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                  full_kl: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
-    """The configured estimator per token, (B, R); `full` is the exact KL computed from the logits. With
-    `old_logprobs`, the sampled estimators are importance-weighted for off-policy tokens (kl.kl_penalty);
-    `full` needs no weight: it sums over the vocabulary under the current policy."""
-    if estimator == "full":
-        if full_kl is None:
-            raise ValueError("the 'full' estimator needs the exact per-token KL from both models' logits")
-        return full_kl
-    return kl.kl_penalty(logprobs, ref_logprobs, estimator, old_logprob=old_logprobs)
+    """The configured estimator per token, (B, R), by kl.kl_per_token: `full_kl` (the exact KL from the
+    logits) for an estimator that kl.needs_logits, else the sampled estimate, importance-weighted for
+    off-policy tokens when `old_logprobs` is given."""
+    return kl.kl_per_token(estimator, logprobs, ref_logprobs, full_kl, old_logprob=old_logprobs)
 
 
 def actor_loss(cfg: ActorConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

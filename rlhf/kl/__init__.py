@@ -38,7 +38,8 @@ Run `python -m rlhf.kl` to print, for small categorical examples, each estimator
 and std, its expected loss/reward gradient against grad KL(pi || ref), and (example C) the same off-policy,
 uncorrected and corrected.
 
-The code, re-exported here: estimators.py (the sampled estimators, their names, kl_penalty, kl_panel),
+The code, re-exported here: estimators.py (the sampled estimators, every estimator's name, kl_penalty,
+kl_per_token for any name, needs_logits, kl_panel),
 exact.py (full_kl), controllers.py (the KL coefficient in the reward), and theory.py (the enumeration behind
 the report; its public name is `rlhf.kl_theory`; `import rlhf.kl` does not load it).
 """
@@ -53,6 +54,7 @@ from rlhf.kl.controllers import (
 from rlhf.kl.estimators import (
     BASE_ESTIMATOR_NAMES,
     ESTIMATOR_NAMES,
+    FULL,
     PANEL_ESTIMATORS,
     Estimator,
     canonical,
@@ -63,6 +65,8 @@ from rlhf.kl.estimators import (
     kl_k3,
     kl_panel,
     kl_penalty,
+    kl_per_token,
+    needs_logits,
     register_estimator,
     rho_in_graph,
 )

@@ -14,6 +14,10 @@ from rlhf.core_algos import masked_mean
 
 Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+# The exact KL over the vocabulary (exact.full_kl) is an estimator name too, for the config and kl_per_token;
+# it is computed from both models' logits, not from sampled log-probs, so kl_penalty refuses it.
+FULL = "full"
+
 # name -> estimator function; aliases map to the same function. Filled by @register_estimator.
 _ESTIMATORS: dict[str, Estimator] = {}
 # the estimators registered with unbiased=True: off-policy, kl_penalty puts rho inside their autograd graph
@@ -32,7 +36,7 @@ def register_estimator(name: str, *aliases: str, unbiased: bool = False) -> Call
 
     def decorator(fn: Estimator) -> Estimator:
         for n in (name, *aliases):
-            if n in _ESTIMATORS or n.endswith("+") or n in ("", "full"):
+            if n in _ESTIMATORS or n.endswith("+") or n in ("", FULL):
                 raise ValueError(f"cannot register KL estimator {n!r}: taken or reserved")
             _ESTIMATORS[n] = fn
         if unbiased:
@@ -86,8 +90,16 @@ _PLUS_RULE = (
 )
 
 
+def _split(name: str) -> tuple[str, bool]:
+    """`k3+` -> ("k3", True), `k3` -> ("k3", False); TypeError for a non-str."""
+    if not isinstance(name, str):
+        raise TypeError(f"KL estimator name must be a str, got {type(name).__name__} {name!r}")
+    plus = name.endswith("+")
+    return (name[:-1] if plus else name), plus  # the fix of verl PR #6058: strip the suffix before dispatch
+
+
 def _unknown_name_error(name: str, allow_full: bool) -> ValueError:
-    valid = ESTIMATOR_NAMES + (("full",) if allow_full else ())
+    valid = ESTIMATOR_NAMES + ((FULL,) if allow_full else ())
     hint = ""
     fixed = name.strip().replace(" ", "").lower()
     if fixed != name and fixed in valid:
@@ -98,22 +110,6 @@ def _unknown_name_error(name: str, allow_full: bool) -> ValueError:
     )
 
 
-def _parse(name: str) -> tuple[Estimator, bool]:
-    """Name -> (base estimator, straight-through?). Raises as check_estimator documents."""
-    if not isinstance(name, str):
-        raise TypeError(f"KL estimator name must be a str, got {type(name).__name__} {name!r}")
-    if name in ("full", "full+"):
-        raise ValueError(
-            f"KL estimator {name!r} is the exact KL over the vocabulary: it needs both models' logits, "
-            "not sampled log-probs, so kl_penalty cannot compute it; use full_kl(logits, ref_logits)"
-        )
-    plus = name.endswith("+")
-    base = name[:-1] if plus else name  # the fix of verl PR #6058: strip the suffix before dispatch
-    if base not in _ESTIMATORS:
-        raise _unknown_name_error(name, allow_full=False)
-    return _ESTIMATORS[base], plus
-
-
 def check_estimator(name: str, allow_full: bool = False) -> str:
     """Validate an estimator name from a config and return it unchanged.
 
@@ -121,27 +117,38 @@ def check_estimator(name: str, allow_full: bool = False) -> str:
     otherwise. With `allow_full`, `full` (the exact KL from logits, see full_kl) is also accepted, and
     `full+` is refused because `full` already has the exact gradient.
     """
-    if allow_full and name == "full":
-        return name
-    if allow_full and name == "full+":
+    base, plus = _split(name)
+    if base == FULL and not allow_full:
+        raise ValueError(
+            f"KL estimator {name!r} is the exact KL over the vocabulary: it needs both models' logits, "
+            "not sampled log-probs, so kl_penalty cannot compute it; use full_kl(logits, ref_logits)"
+        )
+    if base == FULL and plus:
         raise ValueError(
             "KL estimator 'full+' is not valid: 'full' is already the exact KL with the exact gradient, "
             "so the '+' suffix (k2's gradient) does not apply; use 'full'"
         )
-    try:
-        _parse(name)
-    except ValueError:
-        if allow_full:  # the list of valid names must include "full"
-            raise _unknown_name_error(name, allow_full=True) from None
-        raise
+    if base != FULL and base not in _ESTIMATORS:
+        raise _unknown_name_error(name, allow_full)
     return name
+
+
+def _parse(name: str) -> tuple[Estimator, bool]:
+    """A sampled estimator's name -> (base estimator, straight-through?). Raises like check_estimator."""
+    base, plus = _split(check_estimator(name))
+    return _ESTIMATORS[base], plus
+
+
+def needs_logits(name: str) -> bool:
+    """Whether estimator `name` is computed from both models' logits (`full`, by full_kl) rather than from
+    sampled log-probs (every name kl_penalty takes). Raises like check_estimator(name, allow_full=True)."""
+    return check_estimator(name, allow_full=True) == FULL
 
 
 def canonical(name: str) -> str:
     """The first-registered name of an estimator, keeping a `+` suffix: `low_var_kl+` -> `k3+`, `mse` -> `k2`,
     `full` -> `full`. Raises like check_estimator(name, allow_full=True)."""
-    check_estimator(name, allow_full=True)
-    if name == "full":
+    if needs_logits(name):
         return name
     base, plus = _parse(name)
     return next(n for n, fn in _ESTIMATORS.items() if fn is base) + ("+" if plus else "")
@@ -191,6 +198,27 @@ def rho_in_graph(estimator: str) -> bool:
     their aliases) rather than detaching it (k2, abs, every `X+`). Raises like check_estimator."""
     base, plus = _parse(estimator)
     return base in _UNBIASED and not plus
+
+
+def kl_per_token(
+    estimator: str,
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    full_kl: torch.Tensor | None = None,
+    old_logprob: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The per-token KL term of any estimator name, (B, T): kl_penalty for the sampled estimators, and for
+    the names that need_logits (`full`) the given `full_kl`, full_kl(logits, ref_logits, temperature) of the
+    same tokens, computed by the caller that holds both models' logits.
+
+    `old_logprob` importance-weights the sampled estimators for off-policy tokens (kl_penalty); the exact KL
+    sums over the vocabulary under the current policy, so it needs no weight.
+    """
+    if not needs_logits(estimator):
+        return kl_penalty(logprob, ref_logprob, estimator, old_logprob=old_logprob)
+    if full_kl is None:
+        raise ValueError(f"KL estimator {estimator!r} needs full_kl, the exact per-token KL from both models' logits")
+    return full_kl
 
 
 @torch.no_grad()
