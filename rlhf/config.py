@@ -65,6 +65,7 @@ class RolloutConfig:
     ignore_eos: bool = False  # sample exactly data.max_response_length tokens (benchmarks); EOS stops generation otherwise
     log_prob_micro_batch_size: int = 16  # sequences per forward pass when computing log-probs/values
     n: int = 1  # responses sampled per prompt (the group of grpo/rloo)
+    paired_noise: bool = False  # each step's sampling noise from (trainer.seed, step, process): same-seed runs share it (paired comparisons)
 
 
 @dataclass

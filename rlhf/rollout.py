@@ -12,6 +12,7 @@ entry t belongs to response token t, predicted from the state prompt + response[
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass
 
@@ -48,9 +49,20 @@ class SamplingParams:
     ignore_eos: bool = False  # sample all max_new_tokens even after EOS (benchmarks)
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def paired_noise_generator(seed: int, step: int, process_index: int, device) -> torch.Generator:
+    """The sampling noise of one step (`rollout.paired_noise`), seeded by (seed, step, process index).
+
+    Two runs with the same seed then draw the same Gumbel noise step for step (common random numbers): their
+    samples are identical wherever their policies agree, so a difference between the runs is the policies'
+    and not the noise's. The process index keeps processes from ever sharing noise."""
+    digest = hashlib.sha256(f"{seed}/{step}/{process_index}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, V) logits -> (B,) tokens: the argmax, or an exact sample of softmax(logits / temperature) after
-    the optional top-k/top-p filters (transformers' own warpers)."""
+    the optional top-k/top-p filters (transformers' own warpers). The noise comes from `generator`, or from
+    the global random state when it is None."""
     logits = logits.float()
     if params.greedy:
         return logits.argmax(dim=-1)
@@ -61,7 +73,8 @@ def next_token(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = TopPLogitsWarper(params.top_p)(None, logits)
     # Gumbel-max: argmax(logits + G), G = -log(-log U) i.i.d., is distributed as softmax(logits). On CPU it
     # is ~3x cheaper than torch.multinomial, which draws exponentials (0.17 vs 0.52 ms for 32 x 400).
-    gumbel = -torch.log(-torch.log(torch.rand_like(logits)))
+    uniform = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
+    gumbel = -torch.log(-torch.log(uniform))
     return (logits + gumbel).argmax(dim=-1)
 
 
@@ -73,13 +86,15 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> tor
 
 
 def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-             params: SamplingParams, all_finished=None) -> dict[str, torch.Tensor]:
+             params: SamplingParams, all_finished=None, generator: torch.Generator | None = None
+             ) -> dict[str, torch.Tensor]:
     """Sample (or greedily decode) one response per left-padded prompt and build the rollout batch.
 
     A plain decoding loop over the model's KV cache, the same passes as `model.generate` (greedy output is
     identical, see tests/test_rollout.py) without its per-token machinery, which costs ~10% of the
     sampling time of a small model. Stops when every sequence has sampled EOS or after max_new_tokens;
-    `all_finished((B,) bool finished) -> bool` may widen "every sequence" to other processes' too.
+    `all_finished((B,) bool finished) -> bool` may widen "every sequence" to other processes' too;
+    `generator` is the sampling noise's source (`paired_noise_generator`), the global random state if None.
     """
     eos = None if params.ignore_eos else tokenizer.eos_token_id
     # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here).
@@ -91,7 +106,7 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     lighter = not isinstance(model, FSDPModule) and not torch.is_autocast_enabled(prompt_ids.device.type)
     with torch.inference_mode() if lighter else torch.no_grad():
         response_ids = _decode(model, prompt_ids, prompt_mask, params, eos, tokenizer.pad_token_id,
-                               all_finished or torch.all)
+                               all_finished or torch.all, generator)
     response_ids = response_ids.clone()
     if eos is None:  # ignore_eos: every sampled token is part of the response
         response_mask = torch.ones_like(response_ids)
@@ -108,7 +123,7 @@ def kv_cache_name(model) -> str:
 
 
 def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | None, pad_token_id: int,
-            all_finished):
+            all_finished, generator=None):
     """(B, max_new_tokens) sampled tokens; pad after a sequence's EOS, and for every sequence once all have
     stopped."""
     batch_size, prompt_width = prompt_ids.shape
@@ -124,7 +139,7 @@ def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | N
     finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
     tokens = []
     for t in range(params.max_new_tokens):
-        token = next_token(out.logits[:, -1], params)
+        token = next_token(out.logits[:, -1], params, generator)
         if eos is not None:
             token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's EOS
             finished |= token == eos
