@@ -1,0 +1,191 @@
+"""Tests for rlhf/kl/peers.py: every computed cell of the frameworks' table, exactly, in float64.
+
+Each row's expected gradient is checked against a closed form written here, E_w[f(x) grad log pi(x)] =
+w * f - pi * sum(w * f) for sampling weights w and a per-token factor f, and against rlhf.kl_theory's own
+enumerations; the verdict of each row is pinned, so changing a row's estimator, placement or weight fails.
+"""
+
+import os
+
+import pytest
+import torch
+
+from rlhf import kl_theory
+from rlhf.kl import peers
+from rlhf.kl.peers import PEERS, PeerDefault, on_policy_equivalent, peer_cells, peer_kl_grad, peer_report, verdict
+
+TOL = 1e-10
+
+# (framework, setting) -> (on-policy verdict, verdict after the first step, bandit fixed point): the rows'
+# data pinned by what they compute (each estimator x placement x weight in PEERS gives a different triple).
+REVERSE, FORWARD, ARGMAX = "reverse-KL optimum", "forward-KL optimum", "argmax"
+K3_LOSS = ("forward KL", "biased, cos=0.8283, norm x2.01", FORWARD)
+K3_RHO = ("exact", "exact", REVERSE)
+K3_UNIT = ("exact", "biased, cos=0.9646, norm x1.18", REVERSE)
+K1_LOSS = ("zero", "biased, cos=-0.9953, norm x0.46", ARGMAX)
+K1_REWARD = ("exact", "biased, cos=0.9997, norm x0.58", REVERSE)
+K3_REWARD = ("biased, cos=-0.3679, norm x0.49", "biased, cos=0.0165, norm x0.13", ARGMAX)
+VERDICTS = {
+    ("verl", "GRPO recipes: actor.use_kl_loss=True"): K3_LOSS,
+    ("verl", "algorithm.use_kl_in_reward=True"): K1_REWARD,
+    ("TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=True"): K3_RHO,
+    ("TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=False"): K3_LOSS,
+    ("TRL", "RLOOTrainer"): K1_REWARD,
+    ("TRL", "PPOTrainer (trl.experimental.ppo)"): K1_REWARD,
+    ("OpenRLHF", "default, every advantage estimator (gae, group_norm = GRPO, ...)"): K1_REWARD,
+    ("OpenRLHF", "--algo.kl.use_loss, estimator left at its default"): K1_LOSS,
+    ("NeMo-RL", "GRPO: grpo_math_1B.yaml, ClippedPGLossConfig"): K3_UNIT,
+    ("NeMo-RL", "use_on_policy_kl_approximation=True"): K3_RHO,
+    ("NeMo-RL", "use_kl_in_reward=True (Reinforce++, GAE)"): K3_REWARD,
+    ("slime", "GRPO scripts: --use-kl-loss --kl-loss-type low_var_kl"): K3_LOSS,
+    ("slime", "--use-kl-loss, --kl-loss-type left at its default"): K1_LOSS,
+    ("slime", "--use-kl-loss --use-unbiased-kl (low_var_kl)"): K3_RHO,
+    ("slime", "--kl-coef > 0 (advantage estimator ppo or reinforce_plus_plus)"): K1_REWARD,
+    ("SkyRL", "default (grpo and gae alike)"): K3_LOSS,
+    ("SkyRL", "use_kl_in_reward=True (use_kl_loss=False)"): K3_REWARD,
+}
+IDS = [f"{p.framework}: {p.setting}" for p in PEERS]
+
+
+def score_grad(weights: torch.Tensor, f: torch.Tensor, pi: torch.Tensor) -> torch.Tensor:
+    """sum_x w_x f_x grad_logits log pi_x = w * f - pi * sum(w * f)  (grad log pi_x = e_x - pi)."""
+    return weights * f - pi * (weights * f).sum()
+
+
+def k3(log_pi, log_ref):
+    return torch.exp(log_ref - log_pi) - 1 + (log_pi - log_ref)
+
+
+def closed_form(peer: PeerDefault, logits, ref, old=None) -> torch.Tensor:
+    """The row's expected KL gradient by hand: f is d(term)/d(log pi) per token, plus the term itself when a
+    weight in the graph (rho, unit) or the PPO ratio (reward) differentiates it."""
+    pi = torch.softmax(logits, -1)
+    log_pi, log_ref = pi.log(), ref.log()
+    sampler = pi if old is None else old
+    if peer.placement == "reward":  # E_old[rho k_old grad log pi] = E_pi[k_old grad log pi]
+        k_old = {"k1": sampler.log() - log_ref, "k3": k3(sampler.log(), log_ref)}[peer.estimator]
+        return score_grad(pi, k_old, pi)
+    value, derivative = {
+        "k1": (log_pi - log_ref, torch.ones_like(pi)),
+        "k3": (k3(log_pi, log_ref), 1 - ref / pi),
+    }[peer.estimator]
+    if peer.correction == "none":
+        return score_grad(sampler, derivative, pi)
+    if peer.correction == "rho":  # E_old[(pi/old) (k + k') grad log pi] = E_pi[(k + k') grad log pi]
+        return score_grad(pi, value + derivative, pi)
+    return score_grad(sampler, value + derivative, pi)  # unit: value 1, no reweighting
+
+
+@pytest.mark.parametrize("peer", PEERS, ids=IDS)
+def test_row_gradients_equal_their_closed_form(peer):
+    logits, ref = kl_theory.example("A")
+    c_logits, c_ref, c_old = kl_theory.off_policy_example("C")
+    torch.testing.assert_close(peer_kl_grad(peer, logits, ref), closed_form(peer, logits, ref), rtol=0, atol=TOL)
+    torch.testing.assert_close(
+        peer_kl_grad(peer, c_logits, c_ref, c_old), closed_form(peer, c_logits, c_ref, c_old), rtol=0, atol=TOL
+    )
+
+
+@pytest.mark.parametrize("peer", PEERS, ids=IDS)
+def test_row_verdicts_are_pinned(peer):
+    cells = peer_cells(peer)
+    assert (cells["on_policy"], cells["off_policy"], cells["fixed_point"]) == VERDICTS[(peer.framework, peer.setting)]
+
+
+def test_every_row_is_pinned():
+    assert sorted(VERDICTS) == sorted((p.framework, p.setting) for p in PEERS)
+    assert {p.framework for p in PEERS} == set(peers.SOURCES)
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+@pytest.mark.parametrize("peer", PEERS, ids=IDS)
+def test_on_policy_agrees_with_kl_theory(peer, name):
+    """On-policy: a 'none' loss is expected_loss_grad, a reward expected_reward_grad, and a weight in the graph
+    (rho, unit) adds the reward gradient to the loss one."""
+    logits, ref = kl_theory.example(name)
+    loss = kl_theory.expected_loss_grad(peer.estimator, logits, ref)
+    reward = kl_theory.expected_reward_grad(peer.estimator, logits, ref)
+    expected = {"none": loss, "rho": loss + reward, "unit": loss + reward}[peer.correction]
+    if peer.placement == "reward":
+        expected = reward
+    torch.testing.assert_close(peer_kl_grad(peer, logits, ref), expected, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("peer", [p for p in PEERS if p.placement == "loss" and p.correction != "unit"], ids=str)
+def test_off_policy_loss_agrees_with_kl_theory(peer):
+    """Off-policy, 'none' is kl_theory's uncorrected loss and k3's 'rho' its corrected one (rho in the graph)."""
+    logits, ref, old = kl_theory.off_policy_example("C")
+    corrected = peer.correction == "rho"
+    expected = kl_theory.expected_off_policy_loss_grad(peer.estimator, logits, ref, old, corrected)
+    torch.testing.assert_close(peer_kl_grad(peer, logits, ref, old), expected, rtol=0, atol=TOL)
+
+
+def test_unit_weight_is_k2_per_sample():
+    """NeMo-RL's exp(lp - sg(lp)) * k3 has k2's gradient (k3 + k3' = d): on- and off-policy alike."""
+    (nemo,) = [p for p in PEERS if p.correction == "unit"]
+    logits, ref, old = kl_theory.off_policy_example("C")
+    k2 = kl_theory.expected_off_policy_loss_grad("k2", logits, ref, old, corrected=False)
+    torch.testing.assert_close(peer_kl_grad(nemo, logits, ref, old), k2, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("peer", PEERS, ids=IDS)
+def test_biased_cells_are_far_from_the_reverse_kl_gradient(peer):
+    """A 'biased' or forward-KL verdict is a measured gap, not a rounding: max |grad - grad KL| > 0.05."""
+    for args in (kl_theory.example("A"), kl_theory.off_policy_example("C")):
+        logits, ref = args[:2]
+        grad = peer_kl_grad(peer, *args)
+        gap = (grad - kl_theory.divergence_grad(kl_theory.reverse_kl, logits, ref)).abs().max()
+        if verdict(grad, logits, ref) == "exact":
+            assert gap <= TOL
+        else:
+            assert gap > 0.05
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+@pytest.mark.parametrize("peer", PEERS, ids=IDS)
+def test_on_policy_equivalent_has_the_same_gradient(peer, name):
+    logits, ref = kl_theory.example(name)
+    estimator, placement = on_policy_equivalent(peer)
+    grad = {"loss": kl_theory.expected_loss_grad, "reward": kl_theory.expected_reward_grad}[placement]
+    torch.testing.assert_close(peer_kl_grad(peer, logits, ref), grad(estimator, logits, ref), rtol=0, atol=TOL)
+
+
+def test_bad_rows_raise():
+    row = PEERS[0]
+    for bad in (dict(placement="both"), dict(correction="clipped")):
+        with pytest.raises(ValueError, match="placement must be one of"):
+            peer_kl_grad(PeerDefault(**{**row.__dict__, **bad}), *kl_theory.example("A"))
+    with pytest.raises(ValueError, match="no on-policy equivalent"):
+        on_policy_equivalent(PeerDefault(**{**row.__dict__, "estimator": "k2", "correction": "rho"}))
+
+
+def test_report_lists_every_row_and_source():
+    report = peer_report()
+    table = [line for line in report.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(PEERS)
+    for source in peers.SOURCES.values():
+        assert f"{source.repo} @ {source.commit[:7]} ({source.date}, {source.version})" in report
+    for peer in PEERS:
+        assert all(f in report for f in peer.files)
+
+
+@pytest.mark.parametrize("peer", PEERS, ids=IDS)
+def test_fixed_points_equal_the_named_optimum(peer):
+    """The fixed point equals its named optimum to 1e-10, and the bandit tells the three optima apart."""
+    from rlhf.kl.fixed_points import argmax_optimum, forward_kl_optimum, reverse_kl_optimum
+
+    ref, rewards, beta = peers.bandit()
+    optima = {name: fn(ref, rewards, beta) for name, fn in
+              ((REVERSE, reverse_kl_optimum), (FORWARD, forward_kl_optimum), (ARGMAX, argmax_optimum))}
+    named = VERDICTS[(peer.framework, peer.setting)][2]
+    torch.testing.assert_close(peers.peer_fixed_point(peer), optima[named], rtol=0, atol=TOL)
+    for other, optimum in optima.items():
+        if other != named:
+            assert (optimum - optima[named]).abs().max() > 0.03
+
+
+def test_docs_carry_the_report():
+    """docs/kl.md's section 'What the frameworks' defaults give' holds peer_report() verbatim."""
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "kl.md"), encoding="utf-8").read()
+    section = docs[docs.index("## What the frameworks' defaults give"):]
+    assert peer_report() in section
