@@ -11,9 +11,9 @@ How a (B, T) loss matrix becomes a scalar is chosen by name from `LOSS_AGG_MODES
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from rlhf.registry import Registry
 
 # Rows of (B*T, V) logits converted to float32 at a time, so the float32 copy of a bfloat16 logit tensor
 # never has to exist whole (a (8, 1024, 152k) batch would need 5 GB).
@@ -120,7 +120,7 @@ def compute_gae(
 
 # name -> fn(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std) -> (advantages, returns),
 # all (B, T); verl's `algorithm.adv_estimator` names. Filled by @register_adv_estimator.
-ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+ADV_ESTIMATOR_REGISTRY = Registry("advantage estimator", "estimators")
 _CRITIC_FREE: set[str] = set()
 
 
@@ -128,9 +128,7 @@ def register_adv_estimator(name: str, critic_free: bool = False):
     """Register an advantage estimator; `critic_free` ones need no value model (values are ignored)."""
 
     def decorator(fn):
-        if name in ADV_ESTIMATOR_REGISTRY:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATOR_REGISTRY[name] = fn
+        ADV_ESTIMATOR_REGISTRY.register(name)(fn)
         if critic_free:
             _CRITIC_FREE.add(name)
         return fn
@@ -140,13 +138,12 @@ def register_adv_estimator(name: str, critic_free: bool = False):
 
 def check_adv_estimator(name: str) -> None:
     """Raise ValueError naming the valid estimators if `name` is not a registered one."""
-    if name not in ADV_ESTIMATOR_REGISTRY:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid estimators: {', '.join(ADV_ESTIMATOR_REGISTRY)}")
+    ADV_ESTIMATOR_REGISTRY.check(name)
 
 
 def needs_critic(name: str) -> bool:
-    check_adv_estimator(name)
-    return name not in _CRITIC_FREE
+    """Whether advantage estimator `name` needs a value model (not critic-free); raises like check_adv_estimator."""
+    return ADV_ESTIMATOR_REGISTRY.check(name) not in _CRITIC_FREE
 
 
 @register_adv_estimator("gae")
@@ -217,19 +214,9 @@ def group_outcome_advantages(
 # Loss aggregation: (B, T) per-token losses -> scalar
 # ---------------------------------------------------------------------------------------------------------
 
-LOSS_AGG_REGISTRY: dict[str, Callable[..., torch.Tensor]] = {}
-
-
-def register_loss_agg(name: str):
-    """Decorator that registers an aggregation `fn(loss_mat, mask, num_tokens, num_seqs, norm_len)`."""
-
-    def decorator(fn):
-        if name in LOSS_AGG_REGISTRY:
-            raise ValueError(f"loss aggregation mode {name!r} is already registered")
-        LOSS_AGG_REGISTRY[name] = fn
-        return fn
-
-    return decorator
+# name -> fn(loss_mat, mask, num_tokens, num_seqs, norm_len) -> scalar. Filled by @register_loss_agg.
+LOSS_AGG_REGISTRY = Registry("loss_agg_mode", "modes")
+register_loss_agg = LOSS_AGG_REGISTRY.register
 
 
 def _divide(total: torch.Tensor, denominator) -> torch.Tensor:
@@ -281,8 +268,7 @@ LOSS_AGG_MODES = tuple(LOSS_AGG_REGISTRY)
 
 def check_loss_agg_mode(mode: str) -> None:
     """Raise ValueError naming the valid modes if `mode` is not a registered aggregation mode."""
-    if mode not in LOSS_AGG_REGISTRY:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(LOSS_AGG_REGISTRY)}")
+    LOSS_AGG_REGISTRY.check(mode)
 
 
 def agg_loss(
@@ -303,7 +289,6 @@ def agg_loss(
     Pass the whole batch's `num_tokens` / `num_seqs` when aggregating a micro-batch, so that the micro-batch
     losses sum to the whole-batch loss. A sequence with no valid token still counts in the default B.
     """
-    check_loss_agg_mode(mode)
     return LOSS_AGG_REGISTRY[mode](loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
 

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from rlhf.core_algos import masked_mean
+from rlhf.registry import Registry, unknown_name_error
 
 Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -18,8 +19,9 @@ Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # it is computed from both models' logits, not from sampled log-probs, so kl_penalty refuses it.
 FULL = "full"
 
-# name -> estimator function; aliases map to the same function. Filled by @register_estimator.
-_ESTIMATORS: dict[str, Estimator] = {}
+# name -> estimator function; aliases map to the same function. Filled by @register_estimator. The empty
+# name, `full` and names ending in `+` (the straight-through form) are not estimators of their own.
+_ESTIMATORS = Registry("KL estimator", reserved=lambda name: name in ("", FULL) or name.endswith("+"))
 # the estimators registered with unbiased=True: off-policy, kl_penalty puts rho inside their autograd graph
 _UNBIASED: set[Estimator] = set()
 
@@ -35,10 +37,7 @@ def register_estimator(name: str, *aliases: str, unbiased: bool = False) -> Call
     """
 
     def decorator(fn: Estimator) -> Estimator:
-        for n in (name, *aliases):
-            if n in _ESTIMATORS or n.endswith("+") or n in ("", FULL):
-                raise ValueError(f"cannot register KL estimator {n!r}: taken or reserved")
-            _ESTIMATORS[n] = fn
+        _ESTIMATORS.register(name, *aliases)(fn)
         if unbiased:
             _UNBIASED.add(fn)
         return fn
@@ -100,14 +99,8 @@ def _split(name: str) -> tuple[str, bool]:
 
 def _unknown_name_error(name: str, allow_full: bool) -> ValueError:
     valid = ESTIMATOR_NAMES + ((FULL,) if allow_full else ())
-    hint = ""
-    fixed = name.strip().replace(" ", "").lower()
-    if fixed != name and fixed in valid:
-        hint = f" (did you mean {fixed!r}?)"
-    return ValueError(
-        f"unknown KL estimator {name!r}{hint}; valid names: {', '.join(valid)}. "
-        f"Base names {', '.join(BASE_ESTIMATOR_NAMES)}: {_PLUS_RULE}."
-    )
+    note = f". Base names {', '.join(BASE_ESTIMATOR_NAMES)}: {_PLUS_RULE}."
+    return unknown_name_error(_ESTIMATORS.kind, name, valid, note=note)
 
 
 def check_estimator(name: str, allow_full: bool = False) -> str:
@@ -151,7 +144,7 @@ def canonical(name: str) -> str:
     if needs_logits(name):
         return name
     base, plus = _parse(name)
-    return next(n for n, fn in _ESTIMATORS.items() if fn is base) + ("+" if plus else "")
+    return next(n for n in _ESTIMATORS if _ESTIMATORS[n] is base) + ("+" if plus else "")
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
