@@ -86,8 +86,9 @@ PEERS: tuple[PeerDefault, ...] = (
         "k3", "loss", 0.001, "rho", False,
         "beta defaults to 0.0 (no KL, no reference model), 0.001 is the value its docstring cites. The flag is "
         "False at this commit; TRL PR #6503 (merged after it) makes True the default. The ratio is "
-        "exp(logp - old_logp), with old_logp = logp.detach() when num_iterations == 1 (the default), so TRL's "
-        "defaults are on-policy; importance_sampling_level='sequence' puts a sequence-mean ratio there instead."),
+        "exp(logp - old_logp), with old_logp = logp.detach() under the defaults (num_iterations=1, one generation "
+        "per optimizer step), which are on-policy; importance_sampling_level='sequence' puts a sequence-mean "
+        "ratio there instead."),
     PeerDefault(
         "TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=False",
         ("trl/trainer/grpo_config.py:179-182,359-362", "trl/trainer/grpo_trainer.py:3069-3076,3121"),
