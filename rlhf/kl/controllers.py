@@ -31,7 +31,19 @@ def check_kl_ctrl(type: str, kl_coef: float, target_kl: float | None = None, hor
                 )
 
 
-class FixedKLController:
+class _KLController:
+    """What both controllers share: the coefficient `.value`, which is all a checkpoint has to keep."""
+
+    value: float
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class FixedKLController(_KLController):
     """A constant coefficient: `.value` == kl_coef forever."""
 
     def __init__(self, kl_coef: float):
@@ -41,18 +53,13 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """Nothing to adapt."""
 
-    def state_dict(self) -> dict:
-        return {"value": self.value}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
-
-
-class AdaptiveKLController:
+class AdaptiveKLController(_KLController):
     """Proportional controller of Ziegler et al. 2019 (arXiv:1909.08593), as in verl and TRL.
 
     update: e = clip(current_kl / target_kl - 1, -0.2, 0.2); value *= 1 + e * n_steps / horizon, where n_steps
-    is the number of samples (sequences) since the last update and current_kl the measured KL (the k1 mean).
+    is the number of samples (sequences) since the last update and current_kl the measured KL: the trainer
+    passes actor/reward_kl_penalty, the sequence mean of whichever estimator algorithm.kl_penalty names.
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
@@ -66,12 +73,6 @@ class AdaptiveKLController:
             raise ValueError(f"current_kl must be finite, got {current_kl}")
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
 
 
 def build_kl_controller(

@@ -1,9 +1,11 @@
-"""The sampled KL estimators: k1, k2, k3, abs and their straight-through `X+` forms, by name.
+"""The KL estimators by name: the sampled k1, k2, k3, abs and their straight-through `X+` forms, and `full`.
 
-Each estimator is a pure function `(logprob, ref_logprob) -> same shape`, registered under verl's names by
-@register_estimator; kl_penalty parses a name (one optional trailing `+`) and applies it, with the
-importance weight for off-policy tokens; kl_panel logs all of them side by side. The table of values, biases
-and gradients, and why rho is in the graph or detached, is the docstring of `rlhf.kl`.
+Each sampled estimator is a pure function `(logprob, ref_logprob) -> same shape`, registered under verl's
+names by @register_estimator; kl_penalty parses a name (one optional trailing `+`) and applies it, with the
+importance weight for off-policy tokens; kl_panel logs all of them side by side. `full`, the exact KL, is
+computed from logits (rlhf.kl.exact); needs_logits tells a caller which names need them, and kl_per_token
+gives the per-token term for every name. The table of values, biases and gradients, and why rho is in the
+graph or detached, is the docstring of `rlhf.kl`.
 """
 
 from typing import Callable
@@ -157,19 +159,19 @@ def kl_penalty(
 ) -> torch.Tensor:
     """Per-token KL estimate, elementwise: logprob, ref_logprob (B, T) or any equal shape -> same shape.
 
-    `estimator` is one of ESTIMATOR_NAMES (see the module table). `X+` returns X's value (equal for finite
-    values) with k2's gradient, `k2 - k2.detach() + X.detach()`, i.e. d/dlogprob = logprob - ref_logprob
-    (and -(logprob - ref_logprob) w.r.t. ref_logprob if it requires grad). Half-precision inputs are computed
-    in float32 and the result is float32. Same name and argument order as verl's kl_penalty.
+    `estimator` is one of ESTIMATOR_NAMES (the table in rlhf.kl's docstring). `X+` returns X's value (equal
+    for finite values) with k2's gradient, `k2 - k2.detach() + X.detach()`, i.e. d/dlogprob = logprob -
+    ref_logprob (and -(logprob - ref_logprob) w.r.t. ref_logprob if it requires grad). Half-precision inputs
+    are computed in float32 and the result is float32. Same name and argument order as verl's kl_penalty.
 
     `old_logprob` (same shape, never differentiated) is the log-prob under the policy that sampled the tokens,
     for a KL loss on off-policy samples (PPO after the first optimizer step). The result is then rho * term
     with rho = exp(clamp(logprob - old_logprob, -20, 20)) as in the policy loss: rho inside the graph for k1
-    and k3, detached for k2, abs and every `X+` (the module docstring says why). Then E_{x~pi_old} of the
+    and k3, detached for k2, abs and every `X+` (rlhf.kl's docstring says why). Then E_{x~pi_old} of the
     result's value is X's on-policy mean and, for k1, k2, k3 and every `X+`, E_{x~pi_old} of its gradient is
     grad KL(pi || ref) (for abs, 2 grad TV as on-policy). Note that with rho in the graph the gradient
     changes even where old_logprob == logprob (rho == 1): the on-policy k1 and k3 losses do not give
-    grad KL(pi || ref), the weighted ones do. None (the default) leaves the term unweighted, as before.
+    grad KL(pi || ref), the weighted ones do. None (the default) leaves the term unweighted.
     """
     base, plus = _parse(estimator)
     for other_name, other in (("ref_logprob", ref_logprob), ("old_logprob", old_logprob)):
@@ -200,9 +202,9 @@ def kl_per_token(
     full_kl: torch.Tensor | None = None,
     old_logprob: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The per-token KL term of any estimator name, (B, T): kl_penalty for the sampled estimators, and for
-    the names that need_logits (`full`) the given `full_kl`, full_kl(logits, ref_logits, temperature) of the
-    same tokens, computed by the caller that holds both models' logits.
+    """The per-token KL term of any estimator name, (B, T): kl_penalty for the sampled estimators, and for a
+    name that needs_logits (`full`) the given `full_kl`, full_kl(logits, ref_logits, temperature) of the same
+    tokens, computed by the caller that holds both models' logits.
 
     `old_logprob` importance-weights the sampled estimators for off-policy tokens (kl_penalty); the exact KL
     sums over the vocabulary under the current policy, so it needs no weight.

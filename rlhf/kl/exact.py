@@ -10,6 +10,7 @@ import torch
 
 from rlhf.kl.estimators import upcast
 
+
 class _FullKL(torch.autograd.Function):
     """Chunked exact KL with a hand-written backward, so autograd stores nothing of size (N, V).
 
