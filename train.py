@@ -10,12 +10,13 @@ One step reads like the algorithm (`train_step`):
     each prompt's group) -> PPO epochs (clipped actor loss, clipped critic loss when there is a critic)
     -> adaptive KL coefficient -> log; `main` adds evaluation and checkpoints.
 Building the run is `rlhf/setup.py`; the glue's decisions are small functions in `rlhf/ppo.py`, the math
-in `rlhf/kl` and `rlhf/core_algos.py`.
+in `rlhf/kl` and `rlhf/core_algos.py`, the split of the work over processes in `rlhf/processes.py`.
 
 Simplifications against verl, on purpose: one group of processes does everything (our own KV-cache
 decoding loop, `rlhf/rollout.py`, in place of a separate rollout engine), the critic is a separate model
 with its own optimizer, and the KL panel (`kl/k1` ... `kl/full`, every estimator on the same batch) is
-computed from the rollout's log-probs so runs with different estimators can be compared.
+logged whatever the estimator in use, so runs with different estimators can be compared: the sampled
+estimators from the rollout's log-probs, `kl/full` exactly from both models' logits.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from collections import defaultdict
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from rlhf import core_algos, kl, ppo
@@ -38,39 +38,12 @@ from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_step
                              latest_checkpoint, save_checkpoint)
 from rlhf.compare.labels import kl_tags
 from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
+from rlhf.processes import (eval_batches, mean_over_processes, process_share, stop_rule, sum_over_processes,
+                            token_weighted_means)
 from rlhf.rewards.gsm8k import compute_score
 from rlhf.rollout import SamplingParams, generate, left_pad, logprobs_and_logits, response_values, slice_batch
 from rlhf.setup import Setup, setup, shard_on_cpu
 from rlhf.tracking import MetricsLogger, Timer, truncate_metrics, wandb_available
-
-
-# ----------------------------------------------------------------------------- reductions over processes
-
-
-def mean_over_processes(accelerator, metrics: dict) -> dict[str, float]:
-    """Per-process numbers (floats or 0-dim tensors) -> their mean over processes (the maximum for keys
-    ending in /max, the minimum for keys ending in /min)."""
-    stacked = torch.tensor([float(v) for v in metrics.values()], dtype=torch.float32, device=accelerator.device)
-    reduced = accelerator.reduce(stacked, "mean")
-    is_max, is_min = ([key.endswith(suffix) for key in metrics] for suffix in ("/max", "/min"))
-    if any(is_max) or any(is_min):
-        gathered = accelerator.gather(stacked[None])  # (processes, keys)
-        reduced = torch.where(torch.tensor(is_max, device=reduced.device), gathered.amax(dim=0), reduced)
-        reduced = torch.where(torch.tensor(is_min, device=reduced.device), gathered.amin(dim=0), reduced)
-    return dict(zip(metrics, reduced.tolist()))
-
-
-def sum_over_processes(accelerator):
-    """The cross-process sum that rlhf.ppo's functions take as `reduce_sum`."""
-    return lambda tensor: accelerator.reduce(tensor, "sum")
-
-
-def stop_rule(accelerator):
-    """generate's `all_finished`: with sharded weights (FSDP) the processes stop together (ppo.stop_together);
-    otherwise (None) each stops when its own sequences have."""
-    if accelerator.distributed_type != DistributedType.FSDP:
-        return None
-    return ppo.stop_together(sum_over_processes(accelerator))
 
 
 # ----------------------------------------------------------------------------- one PPO step
@@ -79,8 +52,8 @@ def stop_rule(accelerator):
 def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) -> tuple[dict[str, float], int, float]:
     """One PPO step on this process's share of the global batch.
     Returns (metrics averaged over processes, skipped optimizer updates, tokens processed by all processes)."""
-    prompts = run.train_set[ppo.process_share(run.sampler.next_batch(), accelerator.process_index,
-                                              accelerator.num_processes)]
+    prompts = run.train_set[process_share(run.sampler.next_batch(), accelerator.process_index,
+                                          accelerator.num_processes)]
     rows, group_ids = ppo.repeat_prompts(prompts, cfg.rollout.n)  # each prompt's group of rollout.n responses
     batch = rollout(cfg, accelerator, run.models, run.tokenizer, rows, timer)
     batch["group_ids"] = group_ids.to(accelerator.device)
@@ -92,8 +65,9 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
 
 @torch.no_grad()
 def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer) -> dict[str, torch.Tensor]:
-    """Sample one response per row; add the old and reference log-probs, the exact per-token KL, the
-    critic's values when there is a critic (all (B, R), micro-batched) and the GSM8K scores (B,)."""
+    """Sample one response per row; add the old log-probs, the reference log-probs when there is a reference,
+    the exact per-token KL when the panel or an estimator needs it, the critic's values when there is a critic
+    (all (B, R), micro-batched) and the GSM8K scores (B,)."""
     actor, critic, ref = models
     prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
     r = cfg.rollout
@@ -155,7 +129,8 @@ def update(cfg: Config, accelerator, models, optimizers, batch, kl_ctrl, step: i
 
 def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, timer: Timer):
     """`actor.ppo_epochs` passes over the batch in mini-batches, one optimizer step per model and mini-batch
-    (the critic only when there is one). Returns (metrics averaged over mini-batches, skipped updates)."""
+    (the critic only when there is one). Returns (metrics averaged over mini-batches, the maximum for keys
+    ending in /max; skipped updates)."""
     (actor, critic, ref), (actor_opt, critic_opt), ac = models, optimizers, cfg.actor
     world, mini_size = accelerator.num_processes, ac.ppo_mini_batch_size * cfg.rollout.n  # responses
     learners = [("actor", actor, actor_opt, ac.grad_clip)]
@@ -253,7 +228,7 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_id: int) -> dict[st
     if "ref_logprobs" in batch and cfg.trainer.log_kl_panel:
         panel = kl.kl_panel(batch["old_logprobs"], batch["ref_logprobs"], mask)
         panel["kl/full"] = core_algos.masked_mean(batch["full_kl"], mask).item()
-        metrics.update(ppo.token_weighted_means(panel, mask.sum(), reduce_sum))
+        metrics.update(token_weighted_means(panel, mask.sum(), reduce_sum))
     return metrics
 
 
@@ -263,10 +238,10 @@ def evaluate(cfg: Config, accelerator, actor, tokenizer, val_set) -> float:
     params = SamplingParams(cfg.data.max_response_length, greedy=True)
     model = accelerator.unwrap_model(actor)
     correct = total = 0
-    batches = ppo.eval_batches(len(val_set), cfg.data.val_batch_size, accelerator.process_index,
-                               accelerator.num_processes)
+    batches = eval_batches(len(val_set), cfg.data.val_batch_size, accelerator.process_index,
+                           accelerator.num_processes)
     for mine in tqdm(batches, desc="eval", leave=False, disable=not accelerator.is_local_main_process):
-        rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see ppo.eval_batches)
+        rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see eval_batches)
         prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
         with accelerator.autocast():
             batch = generate(model, tokenizer, prompt_ids.to(accelerator.device),
@@ -380,6 +355,7 @@ def start_accelerator(cfg: Config) -> Accelerator:
 
 
 def cli(argv: list[str] | None = None) -> int:
+    """The command line: train; returns the exit status (2 for a bad config, 1 after too many bad steps)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML file under configs/ (only what differs from the defaults)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.processes import ReduceSum, one_process
 from rlhf.registry import Registry
 
 # Rows of (B*T, V) logits converted to float32 at a time, so the float32 copy of a bfloat16 logit tensor
@@ -56,20 +57,25 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
-    """Normalise `x` to unit variance (and zero mean if `shift_mean`) using statistics of valid tokens only.
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum = one_process,
+                  shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise `x` (B, T) to unit variance (and zero mean if `shift_mean`) using statistics of valid tokens
+    only: the mean and unbiased variance (as `masked_var`) of the valid tokens of every process, summed by
+    `reduce_sum` (rlhf.processes), so N processes whiten as one process holding the whole batch would (verl
+    whitens on the driver).
 
     With `shift_mean=False` the original mean is added back, i.e. only the scale changes. Masked-out
     positions are returned as 0.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
+    valid = mask.bool()
+    total, count = reduce_sum(torch.stack([torch.where(valid, x, 0.0).sum(), valid.sum().to(x.dtype)]))
+    mean = total / count.clamp(min=1)
+    square_sum = reduce_sum(torch.where(valid, (x - mean) ** 2, 0.0).sum())
+    var = square_sum / (count - 1).clamp(min=1)  # Bessel's correction; one valid token: 0, as masked_var
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+    return torch.where(valid, whitened, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -99,7 +105,7 @@ def compute_gae(
         delta_t = r_t + gamma * V_next(t) - V_t,   A_t = delta_t + gamma * lam * A_next(t)
 
     Returns `(advantages, returns)`, both (B, T), with returns = advantages + values on valid tokens and
-    both 0 on masked-out ones. No whitening happens here (see `masked_whiten`).
+    both 0 on masked-out ones. No whitening happens here (the "gae" estimator below whitens).
     """
     valid = response_mask.bool()
     num_seqs, num_steps = values.shape
@@ -118,8 +124,9 @@ def compute_gae(
     return advantages, returns
 
 
-# name -> fn(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std) -> (advantages, returns),
-# all (B, T); verl's `algorithm.adv_estimator` names. Filled by @register_adv_estimator.
+# name -> fn(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum)
+# -> (advantages, returns), all (B, T), the advantages final (gae's whitened over the processes that `reduce_sum`
+# sums over); verl's `algorithm.adv_estimator` names. Filled by @register_adv_estimator.
 ADV_ESTIMATOR_REGISTRY = Registry("advantage estimator", "estimators")
 _CRITIC_FREE: set[str] = set()
 
@@ -147,20 +154,23 @@ def needs_critic(name: str) -> bool:
 
 
 @register_adv_estimator("gae")
-def _gae_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std):
-    """GAE with the critic's values (`compute_gae`); the trainer whitens the advantages afterwards."""
-    return compute_gae(token_rewards, values, response_mask, gamma, lam)
+def _gae_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
+    """GAE with the critic's values (`compute_gae`), the advantages whitened over the valid tokens of all
+    processes (`masked_whiten`), as verl does; the returns are GAE's."""
+    advantages, returns = compute_gae(token_rewards, values, response_mask, gamma, lam)
+    return masked_whiten(advantages, response_mask, reduce_sum), returns
 
 
 @register_adv_estimator("grpo", critic_free=True)
-def _grpo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std):
-    """(score - group mean) / (group std + 1e-6), or score - group mean without norm_by_std (Dr. GRPO)."""
+def _grpo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
+    """(score - group mean) / (group std + 1e-6), or score - group mean without norm_by_std (Dr. GRPO). A group
+    never straddles processes, so nothing is reduced over them."""
     return group_outcome_advantages(token_rewards, response_mask, group_ids, "grpo", norm_by_std)
 
 
 @register_adv_estimator("rloo", critic_free=True)
-def _rloo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std):
-    """score - mean of the group's other scores."""
+def _rloo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
+    """score - mean of the group's other scores (within one process, as grpo)."""
     return group_outcome_advantages(token_rewards, response_mask, group_ids, "rloo")
 
 

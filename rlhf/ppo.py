@@ -2,55 +2,27 @@
 
 Each function here is one decision of the step, small enough to check by hand (tests/test_ppo.py):
 
+    repeat_prompts     each prompt rollout.n times in a row, with its group id
     token_rewards      the score on the last response token, minus the KL penalty on every token
     sequence_mean      a per-token quantity averaged per sequence, then over sequences (the reward KL)
-    whiten             advantages normalised over the valid tokens of all processes
-    advantages         GAE (whitened) or grpo / rloo over each prompt's group of responses
+    advantages         by the configured estimator (GAE whitened, or grpo / rloo over each prompt's group)
+    groups_with_equal_scores  the share of groups whose advantages are 0 (no learning signal)
+    kl_per_token       the configured KL estimator per token
     actor_loss         policy loss - entropy bonus + KL loss, for the configured estimator
-    token_weighted_means, process_share, repeat_prompts, minibatches, should_evaluate, should_checkpoint
+    minibatches        the mini-batches of every epoch, drawn from (seed, step)
+    should_evaluate, should_checkpoint
 
-Functions that need statistics of the whole global batch take `reduce_sum`, a function that sums a
-tensor over processes (`lambda t: accelerator.reduce(t, "sum")` in train.py); the default, the identity,
-is one process. So the function the tests check is the function the trainer calls, whatever the world size.
+Functions that need statistics of the whole global batch take `reduce_sum` (rlhf.processes), which sums a
+tensor over processes; the default is one process.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
 from rlhf import core_algos, kl
 from rlhf.config import ActorConfig, AlgorithmConfig
-
-ReduceSum = Callable[[torch.Tensor], torch.Tensor]
-
-
-def one_process(tensor: torch.Tensor) -> torch.Tensor:
-    """The cross-process sum when there is one process."""
-    return tensor
-
-
-def process_share(global_indices: list[int], rank: int, world: int) -> list[int]:
-    """This process's contiguous share of the global batch (validation made the sizes divide)."""
-    share = len(global_indices) // world
-    return global_indices[rank * share:(rank + 1) * share]
-
-
-def eval_batches(num_rows: int, batch_size: int, rank: int, world: int) -> list[list[int]]:
-    """This process's held-out rows (a contiguous share, the first processes one larger when the sizes do not
-    divide) in batches of at most batch_size. Every process gets the same number of batches, the last ones
-    possibly empty: with sharded weights (FSDP) each forward is collective, so a process that ran out of rows
-    must still take part (it decodes a stand-in row and discards it)."""
-    share = -(-num_rows // world)  # ceil
-    mine = list(range(rank * share, min((rank + 1) * share, num_rows)))
-    return [mine[start:start + batch_size] for start in range(0, share, batch_size)]
-
-
-def stop_together(reduce_sum):
-    """generate's `all_finished` for sharded weights (FSDP): every forward pass is collective, so all processes
-    must decode the same number of tokens. True once the sequences of every process have stopped."""
-    return lambda finished: reduce_sum((~finished).sum()).item() == 0
+from rlhf.processes import ReduceSum, one_process
 
 
 def repeat_prompts(rows: dict[str, list], n: int) -> tuple[dict[str, list], torch.Tensor]:
@@ -86,30 +58,14 @@ def sequence_mean(values: torch.Tensor, response_mask: torch.Tensor, reduce_sum:
     return (total / count.clamp(min=1)).item()
 
 
-def whiten(x: torch.Tensor, response_mask: torch.Tensor, reduce_sum: ReduceSum = one_process,
-           eps: float = 1e-8) -> torch.Tensor:
-    """core_algos.masked_whiten with the mean and unbiased variance of every process's valid tokens, so N
-    processes whiten as one process holding the whole batch would (verl whitens on the driver). (B, R)."""
-    valid = response_mask.bool()
-    total, count = reduce_sum(torch.stack([torch.where(valid, x, 0.0).sum(), valid.sum().to(x.dtype)]))
-    mean = total / count.clamp(min=1)
-    square_sum = reduce_sum(torch.where(valid, (x - mean) ** 2, 0.0).sum())
-    var = square_sum / (count - 1).clamp(min=1)  # Bessel's correction, as masked_var
-    return torch.where(valid, (x - mean) * torch.rsqrt(var + eps), 0.0)
-
-
 def advantages(cfg: AlgorithmConfig, batch: dict[str, torch.Tensor],
                reduce_sum: ReduceSum = one_process) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), (B, R), by `cfg.adv_estimator` from the batch's token_rewards (and values and
-    group_ids). GAE's advantages are whitened over all processes (as verl); grpo's and rloo's are already
-    relative to their group, which never straddles processes."""
-    mask = batch["response_mask"]
-    adv, returns = core_algos.ADV_ESTIMATOR_REGISTRY[cfg.adv_estimator](
-        batch["token_rewards"], batch.get("values"), mask, batch.get("group_ids"), cfg.gamma, cfg.lam,
-        cfg.norm_adv_by_std_in_grpo)
-    if cfg.adv_estimator == "gae":
-        adv = whiten(adv, mask, reduce_sum)
-    return adv, returns
+    group_ids), as the estimator returns them (core_algos.ADV_ESTIMATOR_REGISTRY): GAE's whitened over all
+    processes, grpo's and rloo's relative to their group."""
+    return core_algos.ADV_ESTIMATOR_REGISTRY[cfg.adv_estimator](
+        batch["token_rewards"], batch.get("values"), batch["response_mask"], batch.get("group_ids"), cfg.gamma,
+        cfg.lam, cfg.norm_adv_by_std_in_grpo, reduce_sum)
 
 
 def groups_with_equal_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> float:
@@ -118,15 +74,6 @@ def groups_with_equal_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> f
     groups = [scores[group_ids == g] for g in torch.unique(group_ids)]
     groups = [g for g in groups if len(g) > 1]
     return sum(bool((g == g[0]).all()) for g in groups) / len(groups) if groups else 0.0
-
-
-def token_weighted_means(local_means: dict[str, float], num_tokens: torch.Tensor,
-                         reduce_sum: ReduceSum = one_process) -> dict[str, float]:
-    """Per-process token means -> means over all processes' tokens (not the mean of the means)."""
-    weight = num_tokens.float().reshape(1)
-    stacked = torch.tensor(list(local_means.values()), dtype=torch.float32, device=weight.device)
-    totals = reduce_sum(torch.cat([stacked * weight, weight]))
-    return dict(zip(local_means, (totals[:-1] / totals[-1].clamp(min=1)).tolist()))
 
 
 def kl_per_token(estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,

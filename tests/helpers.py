@@ -1,6 +1,9 @@
 """Constants and helpers shared by the tests (fixtures are in conftest.py)."""
 
 import os
+import threading
+
+import torch
 
 from rlhf.config import EmbeddedConfig
 
@@ -27,3 +30,37 @@ def tiny_overrides(artifacts, output_dir, *extra) -> list[str]:
         "rollout.log_prob_micro_batch_size=4", "trainer.total_steps=2", "trainer.test_freq=0",
         f"trainer.output_dir={output_dir}", "trainer.project_name=test", *extra,
     ]
+
+
+def tiny_qwen2(vocab_size: int = 512, seed: int = 0, **config):
+    """A random 2-layer, 32-wide Qwen2ForCausalLM in eval mode, initialised from `seed`; `config` sets further
+    Qwen2Config fields (token ids, tied embeddings, the init scale)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                        max_position_embeddings=128, **config)).eval()
+
+
+def in_processes(fn, shards):
+    """Run fn(shard, reduce_sum) in one thread per shard, with reduce_sum summing over the threads: the
+    cross-process reduction of N processes, in one test process. Returns each thread's result."""
+    barrier, slots, results = threading.Barrier(len(shards)), [None] * len(shards), [None] * len(shards)
+
+    def worker(rank):
+        def reduce_sum(tensor):
+            slots[rank] = tensor.clone()
+            barrier.wait()
+            total = sum(slots)
+            barrier.wait()
+            return total
+
+        results[rank] = fn(shards[rank], reduce_sum)
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(len(shards))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results

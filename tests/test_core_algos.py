@@ -4,9 +4,11 @@ import math
 
 import pytest
 import torch
+from helpers import in_processes
 
 from rlhf import core_algos
 from rlhf.core_algos import (
+    ADV_ESTIMATOR_REGISTRY,
     ADV_ESTIMATORS,
     LOSS_AGG_MODES,
     agg_loss,
@@ -25,6 +27,7 @@ from rlhf.core_algos import (
     policy_loss,
     value_loss,
 )
+from rlhf.processes import one_process
 
 NAN = float("nan")
 
@@ -61,6 +64,19 @@ def test_masked_var_and_whiten_use_valid_tokens_only():
     assert torch.allclose(whitened, expected, atol=1e-6)
     unshifted = masked_whiten(x, mask, shift_mean=False)
     assert torch.allclose(unshifted, torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]), atol=1e-6)
+
+
+def test_whiten_over_processes_equals_whitening_the_whole_batch():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, generator=gen) * 3 + 1
+    mask = (torch.rand(6, 5, generator=gen) > 0.3).long()
+    whole = masked_whiten(x, mask)
+    valid = x[mask.bool()]
+    torch.testing.assert_close(whole, torch.where(mask.bool(), (x - valid.mean()) / valid.std(), 0.0))
+    halves = in_processes(lambda s, reduce_sum: masked_whiten(*s, reduce_sum), [(x[:2], mask[:2]), (x[2:], mask[2:])])
+    torch.testing.assert_close(torch.cat(halves), whole)
+    # Each process whitening alone would differ: the statistics are the batch's, not the shard's.
+    assert not torch.allclose(torch.cat([masked_whiten(x[:2], mask[:2]), masked_whiten(x[2:], mask[2:])]), whole)
 
 
 # --- GAE -------------------------------------------------------------------------------------------------
@@ -418,6 +434,27 @@ def test_group_advantages_match_a_loop_over_groups_on_random_data():
             want_rloo = group[j] - others.mean() if len(rows) > 1 else group[j]
             assert grpo[i, 0].item() == pytest.approx(want_grpo.item(), abs=1e-5)
             assert rloo[i, 0].item() == pytest.approx(want_rloo.item(), abs=1e-5)
+
+
+def test_every_advantage_estimator_returns_final_advantages():
+    """gae whitens its advantages itself (over all processes, by reduce_sum), grpo and rloo return their
+    group-relative ones: the trainer uses what the registry returns as is."""
+    rewards = _scores_as_rewards(GROUP_SCORES, GROUP_MASK)
+    values = torch.linspace(-1, 1, GROUP_MASK.numel()).reshape(GROUP_MASK.shape)
+    args = (rewards, values, GROUP_MASK, GROUP_IDS, 0.9, 0.8, True)
+    gae, returns = ADV_ESTIMATOR_REGISTRY["gae"](*args, one_process)
+    raw, raw_returns = compute_gae(rewards, values, GROUP_MASK, 0.9, 0.8)
+    torch.testing.assert_close(gae, masked_whiten(raw, GROUP_MASK))
+    assert torch.equal(returns, raw_returns)
+    assert masked_mean(gae, GROUP_MASK).abs().item() < 1e-6
+    assert masked_var(gae, GROUP_MASK).item() == pytest.approx(1.0, rel=1e-5)
+    shards = [tuple(a[:3] if isinstance(a, torch.Tensor) else a for a in args),
+              tuple(a[3:] if isinstance(a, torch.Tensor) else a for a in args)]
+    halves = in_processes(lambda s, reduce_sum: ADV_ESTIMATOR_REGISTRY["gae"](*s, reduce_sum)[0], shards)
+    torch.testing.assert_close(torch.cat(halves), gae)  # whitened over both processes, as one
+    for name in ("grpo", "rloo"):
+        advantages, _ = ADV_ESTIMATOR_REGISTRY[name](*args, one_process)
+        torch.testing.assert_close(advantages, group_outcome_advantages(rewards, GROUP_MASK, GROUP_IDS, name)[0])
 
 
 def test_advantage_estimators_are_a_registry_with_clear_errors():

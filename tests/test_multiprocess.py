@@ -174,7 +174,7 @@ def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_pat
     fsdp = ("--config_file", os.path.join(REPO, "configs", "accelerate", "fsdp.yaml"))
     out2 = tmp_path / "fsdp"
     # save_freq=1 keeps step_2 and step_3. val_batch_size=3: the ranks' 4 and 3 held-out problems make 2 and
-    # 1 batches, which would leave rank 0 alone in a collective forward without ppo.eval_batches.
+    # 1 batches, which would leave rank 0 alone in a collective forward without rlhf.processes.eval_batches.
     args = overrides(artifacts, out2, "token-mean", "trainer.save_freq=1", "data.val_batch_size=3")
     result = launch(tmp_path, args, fsdp)
     assert "processes: 2 (FSDP)" in result.stdout

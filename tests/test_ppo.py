@@ -10,13 +10,11 @@ normalisers, the mini-batch order, clipping, zero_grad) makes the weights differ
 """
 
 import copy
-import threading
 
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import tiny_overrides
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from helpers import in_processes, tiny_overrides
 
 import rlhf.setup
 import train
@@ -27,29 +25,6 @@ from rlhf.rollout import SamplingParams, generate, left_pad, logprobs_and_logits
 from rlhf.tracking import Timer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def in_processes(fn, shards):
-    """Run fn(shard, reduce_sum) in one thread per shard, with reduce_sum summing over the threads: the
-    cross-process reduction of N processes, in one test process. Returns each thread's result."""
-    barrier, slots, results = threading.Barrier(len(shards)), [None] * len(shards), [None] * len(shards)
-
-    def worker(rank):
-        def reduce_sum(tensor):
-            slots[rank] = tensor.clone()
-            barrier.wait()
-            total = sum(slots)
-            barrier.wait()
-            return total
-
-        results[rank] = fn(shards[rank], reduce_sum)
-
-    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(len(shards))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
 
 
 # ----------------------------------------------------------------------------- rlhf/ppo.py by hand
@@ -79,24 +54,6 @@ def test_sequence_mean_weights_every_response_once_over_all_processes():
     # Two processes holding one sequence each give the one-process answer.
     shards = [(values[:1], mask[:1]), (values[1:], mask[1:])]
     assert in_processes(lambda s, reduce_sum: ppo.sequence_mean(*s, reduce_sum), shards) == pytest.approx([2.0, 2.0])
-
-
-def test_whiten_over_processes_equals_whitening_the_whole_batch():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 5, generator=gen) * 3 + 1
-    mask = (torch.rand(6, 5, generator=gen) > 0.3).long()
-    whole = core_algos.masked_whiten(x, mask)
-    torch.testing.assert_close(ppo.whiten(x, mask), whole)
-    halves = in_processes(lambda s, reduce_sum: ppo.whiten(*s, reduce_sum), [(x[:2], mask[:2]), (x[2:], mask[2:])])
-    torch.testing.assert_close(torch.cat(halves), whole)
-    # Each process whitening alone would differ: the statistics are the batch's, not the shard's.
-    assert not torch.allclose(torch.cat([ppo.whiten(x[:2], mask[:2]), ppo.whiten(x[2:], mask[2:])]), whole)
-
-
-def test_token_weighted_means_weight_processes_by_their_tokens():
-    shards = [({"a": 1.0, "b": 10.0}, torch.tensor(1)), ({"a": 4.0, "b": 0.0}, torch.tensor(3))]
-    means = in_processes(lambda s, reduce_sum: ppo.token_weighted_means(*s, reduce_sum), shards)
-    assert means[0] == means[1] == pytest.approx({"a": (1 + 12) / 4, "b": 10 / 4})
 
 
 ESTIMATOR_GRAD = {  # d estimator / d logprob, with d = logprob - ref_logprob (docs/kl.md)
@@ -188,49 +145,6 @@ def test_groups_with_equal_scores_counts_groups_without_signal():
     group_ids = torch.tensor([0, 0, 1, 1, 2, 2, 3])  # equal, mixed, equal, alone (not a group)
     assert ppo.groups_with_equal_scores(scores, group_ids) == pytest.approx(2 / 3)
     assert ppo.groups_with_equal_scores(scores[-1:], group_ids[-1:]) == 0.0
-
-
-def test_process_share_splits_the_global_batch_in_order():
-    indices = [5, 3, 9, 1, 0, 2]
-    assert [ppo.process_share(indices, rank, 3) for rank in range(3)] == [[5, 3], [9, 1], [0, 2]]
-    assert ppo.process_share(indices, 0, 1) == indices
-
-
-def test_eval_batches_cover_the_held_out_set_once_in_the_same_number_of_batches_everywhere():
-    assert [ppo.eval_batches(7, 3, rank, 2) for rank in range(2)] == [[[0, 1, 2], [3]], [[4, 5, 6], []]]
-    assert ppo.eval_batches(5, 8, 0, 1) == [[0, 1, 2, 3, 4]]
-    for num_rows, batch_size, world in [(7, 2, 3), (1, 4, 3), (256, 128, 2), (10, 3, 4), (9, 9, 2)]:
-        batches = [ppo.eval_batches(num_rows, batch_size, rank, world) for rank in range(world)]
-        assert len({len(b) for b in batches}) == 1, batches  # FSDP: the same number of forwards everywhere
-        rows = [row for per_process in batches for batch in per_process for row in batch]
-        assert rows == list(range(num_rows))  # each held-out row once
-        assert all(len(batch) <= batch_size for per_process in batches for batch in per_process)
-
-
-def test_stop_together_decodes_until_every_process_has_stopped():
-    """Two processes whose prompts stop at different lengths (the greedy model of tests/test_rollout.py, EOS
-    1: the first prompt's response stops after 3 tokens, the second's runs to the limit). With stop_together both
-    run the same number of forward passes, as FSDP's collective forwards require; the tokens are unchanged."""
-    torch.manual_seed(2)
-    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         pad_token_id=0, tie_word_embeddings=False, initializer_range=0.5)
-    model = Qwen2ForCausalLM(config).eval()
-    tokenizer = type("Tok", (), {"pad_token_id": 0, "eos_token_id": 1})
-    params = SamplingParams(max_new_tokens=20, greedy=True)
-    shards = [left_pad([[13]], 0), left_pad([[3, 4, 5, 6, 7]], 0)]
-
-    def decode(shard, all_finished):
-        forwards, mine = [], copy.deepcopy(model)  # one model per process, each counting its forward passes
-        mine.register_forward_hook(lambda *args: forwards.append(1))
-        return generate(mine, tokenizer, *shard, params, all_finished=all_finished)["response_ids"], len(forwards)
-
-    alone = [decode(shard, None) for shard in shards]
-    together = in_processes(lambda shard, reduce_sum: decode(shard, ppo.stop_together(reduce_sum)), shards)
-    assert alone[0][1] < alone[1][1] == 20, "the case needs one process to stop early"
-    assert together[0][1] == together[1][1] == 20
-    for (ours, _), (theirs, _) in zip(together, alone):
-        assert torch.equal(ours, theirs)
 
 
 def test_when_to_evaluate_and_checkpoint():
