@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from helpers import tiny_qwen2
+from transformers import GenerationConfig
 
 from rlhf.rollout import (SamplingParams, build_batch, generate, left_pad, logprobs_and_logits, next_token,
                           response_mask_from_ids)
@@ -19,11 +20,8 @@ class FakeTokenizer:
 
 
 def tiny_model(vocab_size=512, seed=0):
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=True)
-    return Qwen2ForCausalLM(config).eval()
+    """helpers.tiny_qwen2 with this file's token ids and tied embeddings."""
+    return tiny_qwen2(vocab_size, seed, pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=True)
 
 
 def test_sampling_is_not_top_k_truncated():
@@ -60,11 +58,7 @@ def hf_config(**kwargs) -> GenerationConfig:
 def test_greedy_decoding_equals_transformers_generate():
     """Same passes as model.generate: left padding, KV cache, position ids and stopping at EOS included.
     An untied, large-init model, so greedy output varies along the sequence instead of repeating."""
-    torch.manual_seed(2)
-    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         pad_token_id=PAD, tie_word_embeddings=False, initializer_range=0.5)
-    model = Qwen2ForCausalLM(config).eval()
+    model = tiny_qwen2(16, seed=2, pad_token_id=PAD, tie_word_embeddings=False, initializer_range=0.5)
     prompt_ids, prompt_mask = left_pad([[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]], PAD)
     lengths = {}
     for eos in (13, 1, 10):
