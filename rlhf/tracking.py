@@ -19,6 +19,7 @@ from typing import Any
 
 
 def has_wandb_credentials() -> bool:
+    """Whether wandb could log in without asking: WANDB_API_KEY, or an api.wandb.ai entry in ~/.netrc."""
     if os.environ.get("WANDB_API_KEY"):
         return True
     try:
@@ -28,6 +29,7 @@ def has_wandb_credentials() -> bool:
 
 
 def wandb_available() -> bool:
+    """Whether `import wandb` works."""
     try:
         import wandb  # noqa: F401
     except Exception:  # a broken install is as good as none
@@ -40,7 +42,8 @@ def choose_wandb_mode() -> str:
     return os.environ.get("WANDB_MODE") or ("online" if has_wandb_credentials() else "offline")
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl, one dict per logged step (blank lines skipped)."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -77,6 +80,8 @@ class MetricsLogger:
 
     def start(self, project: str, config: dict, run_name: str, group: str | None, tags: list[str],
               output_dir: str, resume_run_id: str | None = None) -> None:
+        """Start the wandb run on the main process (continuing `resume_run_id` if given); if wandb fails to
+        start, warn and go on with metrics.jsonl alone."""
         if not self.use_wandb or not self.accelerator.is_main_process:
             return
         mode = choose_wandb_mode()
@@ -97,6 +102,8 @@ class MetricsLogger:
                   f"Upload it later with: wandb sync {os.path.dirname(run.dir)}")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        """Append `{"step": step, **metrics}` to metrics.jsonl (non-finite values as null), then log to wandb;
+        main process only."""
         if not self.accelerator.is_main_process:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -110,6 +117,7 @@ class MetricsLogger:
                 self.use_wandb = False
 
     def finish(self) -> None:
+        """End the wandb run, if there is one."""
         if self.use_wandb and self.accelerator.is_main_process:
             try:
                 self.accelerator.end_training()

@@ -1,6 +1,5 @@
 """The habit report (`python -m rlhf.habit`): classification, and the numbers of a real tiny run."""
 
-import json
 import os
 
 import pytest
@@ -9,6 +8,7 @@ import train
 from rlhf.config import load_config
 from rlhf.embedded import first_step_result
 from rlhf.habit import CATEGORIES, classify, main, report
+from rlhf.tracking import read_metrics
 
 ANSWER = "3+4=<<3+4=7>>7\n7*2=<<7*2=14>>14\n#### 14"
 
@@ -51,8 +51,7 @@ def test_report_on_a_real_run_matches_the_trainers_own_evaluation(tmp_path, monk
         "trainer.logger=none", f"trainer.output_dir={out}", f"trainer.cache_dir={tmp_path / 'cache'}",
     ]
     train.main(load_config("configs/tiny.yaml", overrides))
-    with open(out / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
+    rows = read_metrics(out / "metrics.jsonl")
 
     labelled = report(str(out))
     assert [label for label, _ in labelled] == ["warm start (step 0)", "step 2"]

@@ -9,6 +9,8 @@ import nbformat
 from ipykernel.kernelspec import write_kernel_spec
 from nbclient import NotebookClient
 
+from rlhf.tracking import read_metrics
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "kl_walkthrough.ipynb")
 
@@ -51,6 +53,6 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert "Schulman (2020)" in text and "k3 without clamp" in text  # section 1's table was shown
     assert "corrected: max error" in text and "| k3+ | detached | +0.965 |" in text  # the off-policy table
     for run in ("reward-k1", "loss-k3+"):  # section 3 trained both runs and logged the KL panel
-        rows = [json.loads(line) for line in open(tmp_path / "runs" / run / "metrics.jsonl")]
+        rows = read_metrics(tmp_path / "runs" / run / "metrics.jsonl")
         assert all(f"kl/{k}" in rows[-1] for k in ("k1", "k2", "k3", "abs", "full"))
     assert glob.glob(str(tmp_path / "runs" / "*" / "wandb" / "offline-run-*"))  # section 4 lists these

@@ -74,6 +74,7 @@ def wait_for(condition, proc, what, timeout=180):
 
 
 def logged_steps(output_dir) -> list[int]:
+    """The steps a running train.py has logged so far. Not read_metrics: the last line may be half-written."""
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []

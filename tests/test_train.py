@@ -4,7 +4,6 @@ The model and data are written to disk first and loaded back by path, which is t
 """
 
 import glob
-import json
 import math
 import os
 import time
@@ -18,6 +17,7 @@ from helpers import embedded_overrides, tiny_overrides
 import rlhf.setup
 import train
 from rlhf.config import load_config
+from rlhf.tracking import read_metrics
 
 VERL_METRICS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
@@ -32,8 +32,7 @@ KL_PANEL = ["kl/k1", "kl/k2", "kl/k3", "kl/abs", "kl/full"]
 def run(artifacts, output_dir, *extra):
     cfg = load_config(None, tiny_overrides(artifacts, output_dir, *extra))
     train.main(cfg)
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return cfg, [json.loads(line) for line in f]
+    return cfg, read_metrics(os.path.join(output_dir, "metrics.jsonl"))
 
 
 def weights(model):
@@ -94,9 +93,8 @@ def test_a_run_does_not_depend_on_whether_the_embedded_cache_existed(tmp_path, m
         embedded = SimpleNamespace(model_dir="embedded", train_file="embedded", val_file="embedded")
         train.main(load_config(None, tiny_overrides(embedded, str(tmp_path / name), *embedded_overrides(),
                                                     f"trainer.cache_dir={tmp_path / 'cache'}", "trainer.logger=none")))
-        with open(tmp_path / name / "metrics.jsonl") as f:
-            rows.append([{k: v for k, v in json.loads(line).items() if not k.startswith(("timing_s", "perf"))}
-                         for line in f])
+        rows.append([{k: v for k, v in row.items() if not k.startswith(("timing_s", "perf"))}
+                     for row in read_metrics(tmp_path / name / "metrics.jsonl")])
     assert len(rows[0]) == 3 and rows[0] == rows[1]
 
 
