@@ -3,7 +3,8 @@
 A checkpoint is `<output_dir>/checkpoints/step_<k>/`. It is written to `step_<k>.tmp` and renamed only
 when complete, so a run killed while saving never leaves a directory that resume would pick and then
 fail on. Everything needed to continue exactly is inside: models, optimizers, RNG states (accelerate)
-and the `TrainerState` registered for checkpointing (step, data position, KL coefficient, wandb id).
+and the `TrainerState` registered for checkpointing (step, data position, KL coefficient, the count of
+non-finite steps in a row, wandb id).
 
 Also the two ways a run stops early and keeps its work: `StopOnSignal` (SIGTERM / Ctrl-C: finish the
 step, checkpoint, exit) and `BadStepsError` (too many non-finite steps in a row, naming the checkpoint
@@ -45,6 +46,7 @@ class TrainerState:
 
 
 def checkpoint_root(output_dir: str) -> str:
+    """`<output_dir>/checkpoints`, where every `step_<k>` directory lives."""
     return os.path.join(output_dir, "checkpoints")
 
 
@@ -63,6 +65,7 @@ def checkpoint_step(path: str) -> int:
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
+    """The complete checkpoint of the highest step under `output_dir`, or None (what resume_from=auto takes)."""
     found = list_checkpoints(output_dir)
     return found[-1] if found else None
 

@@ -85,6 +85,7 @@ def report(output_dir: str) -> list[tuple[str, Counter]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m rlhf.habit OUTPUT_DIR`: print `report` as the README's markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", help="trainer.output_dir of a run of the embedded default")
     output_dir = parser.parse_args(argv).output_dir

@@ -2,7 +2,7 @@
 
     tokenizer = load_tokenizer(path)                 # left-padded, pad token guaranteed
     policy = load_causal_lm(path, "bfloat16")
-    critic = load_critic(path, "float32")            # same backbone, scalar value head, values ~0 at start
+    critic = load_critic(path, "float32")            # same backbone, scalar value head, values 0 at start
 
 The critic is the causal LM's backbone with a one-output token-classification head, as in TRL and verl:
 `AutoModelForTokenClassification` loads the backbone weights from a causal-LM checkpoint (Qwen2, Llama,

@@ -161,6 +161,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def build_batch(prompt_ids, prompt_mask, response_ids, response_mask) -> dict[str, torch.Tensor]:
+    """The rollout batch (this module's docstring) from left-padded prompts and right-padded responses."""
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     return {
         "prompt_ids": prompt_ids,
@@ -197,4 +198,5 @@ def logprobs_and_logits(model, batch, temperature: float):
 
 
 def slice_batch(batch: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
+    """The rows `index` of every tensor in the batch (a micro- or mini-batch)."""
     return {k: v[index] for k, v in batch.items()}

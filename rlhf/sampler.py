@@ -21,6 +21,7 @@ class PromptSampler:
         return torch.randperm(self.num_examples, generator=generator).tolist()
 
     def next_batch(self) -> list[int]:
+        """The next `batch_size` indices, starting the next epoch's permutation when this one runs out."""
         if self.position + self.batch_size > self.num_examples:
             self.epoch, self.position = self.epoch + 1, 0
         batch = self._order()[self.position:self.position + self.batch_size]
@@ -28,6 +29,7 @@ class PromptSampler:
         return batch
 
     def state_dict(self) -> dict:
+        """(epoch, position): all a resumed run needs to draw the same batches."""
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:

@@ -2,7 +2,7 @@
 
     run = setup(cfg, accelerator)       # what train.py's main() uses
     run = build_setup(cfg, accelerator, tokenizer, train_set, val_set, *load_models(cfg, model_path))
-                                        # the same from data and models loaded elsewhere (the benchmark)
+                                        # the same from data and models loaded elsewhere (bench/)
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from rlhf.sampler import PromptSampler
 
 @dataclass
 class Setup:
-    """Everything a step needs, built by `setup` (also the benchmark's entry point)."""
+    """Everything a step needs, built by `setup` (or `build_setup`, which the benchmarks call)."""
 
     tokenizer: object
     train_set: object  # datasets.Dataset with input_ids and ground_truth
     val_set: object
-    models: tuple  # (actor, critic, ref), prepared by accelerate; critic None for grpo/rloo, ref when no KL
+    models: tuple  # (actor, critic, ref); critic None for grpo/rloo, ref None without a KL or the KL panel
     optimizers: tuple  # (actor_opt, critic_opt), critic_opt None without a critic
     sampler: PromptSampler
     kl_ctrl: kl.FixedKLController | kl.AdaptiveKLController
@@ -115,8 +115,8 @@ def prepare_data_and_models(cfg: Config, accelerator: Accelerator):
 
 def load_models(cfg: Config, model_path: str):
     """(actor, critic, ref) in eval mode (no dropout: old and new log-probs must come from the same
-    function); the critic None for a critic-free advantage estimator, the reference frozen, or None when no
-    KL is computed."""
+    function); the critic None for a critic-free advantage estimator, the reference frozen, or None when there
+    is no KL in the reward or the loss and no KL panel."""
     actor = load_causal_lm(model_path, cfg.model.dtype)
     critic = None
     if core_algos.needs_critic(cfg.algorithm.adv_estimator):
