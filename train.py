@@ -16,7 +16,8 @@ Simplifications against verl, on purpose: one group of processes does everything
 decoding loop, `rlhf/rollout.py`, in place of a separate rollout engine), the critic is a separate model
 with its own optimizer, and the KL panel (`kl/k1` ... `kl/full`, every estimator on the same batch) is
 logged whatever the estimator in use, so runs with different estimators can be compared: the sampled
-estimators from the rollout's log-probs, `kl/full` exactly from both models' logits.
+estimators from the rollout's log-probs, `kl/full` and the forward `kl/full_forward` exactly from both
+models' logits.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from rlhf.config import Config, ConfigError, load_config, to_dict, validate, war
 from rlhf.processes import (eval_batches, mean_over_processes, process_share, stop_rule, sum_over_processes,
                             token_weighted_means)
 from rlhf.rewards.gsm8k import compute_score
-from rlhf.rollout import SamplingParams, generate, left_pad, logprobs_and_logits, response_values, slice_batch
+from rlhf.rollout import (SamplingParams, generate, left_pad, logprobs_and_logits, paired_noise_generator,
+                          response_values, slice_batch)
 from rlhf.setup import Setup, setup, shard_on_cpu
 from rlhf.tracking import MetricsLogger, Timer, truncate_metrics, wandb_available
 
@@ -55,7 +57,9 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
     prompts = run.train_set[process_share(run.sampler.next_batch(), accelerator.process_index,
                                           accelerator.num_processes)]
     rows, group_ids = ppo.repeat_prompts(prompts, cfg.rollout.n)  # each prompt's group of rollout.n responses
-    batch = rollout(cfg, accelerator, run.models, run.tokenizer, rows, timer)
+    noise = (paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device)
+             if cfg.rollout.paired_noise else None)  # same-seed runs draw the same sampling noise (common random numbers)
+    batch = rollout(cfg, accelerator, run.models, run.tokenizer, rows, timer, noise)
     batch["group_ids"] = group_ids.to(accelerator.device)
     metrics, skipped = update(cfg, accelerator, run.models, run.optimizers, batch, run.kl_ctrl, step, timer)
     metrics.update(batch_metrics(cfg, accelerator, batch, run.tokenizer.eos_token_id))
@@ -64,17 +68,20 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
 
 
 @torch.no_grad()
-def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer) -> dict[str, torch.Tensor]:
-    """Sample one response per row; add the old log-probs, the reference log-probs when there is a reference,
-    the exact per-token KL when the panel or an estimator needs it, the critic's values when there is a critic
-    (all (B, R), micro-batched) and the GSM8K scores (B,)."""
+def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer,
+            noise: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Sample one response per row (the noise from `noise`, or the global random state); add the old log-probs,
+    the reference log-probs when there is a reference, the exact per-token KL when the panel or an estimator
+    needs it and the exact forward KL for the panel, the critic's values when there is a critic (all (B, R),
+    micro-batched) and the GSM8K scores (B,)."""
     actor, critic, ref = models
     prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
     r = cfg.rollout
     params = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p, ignore_eos=r.ignore_eos)
     with timer("gen"), accelerator.autocast():
         batch = generate(accelerator.unwrap_model(actor), tokenizer, prompt_ids.to(accelerator.device),
-                         prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator))
+                         prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator),
+                         generator=noise)
     kl_names = (cfg.algorithm.kl_penalty, cfg.actor.kl_loss_type)
     need_full = cfg.trainer.log_kl_panel or any(kl.needs_logits(name) for name in kl_names)
     parts = defaultdict(list)
@@ -89,6 +96,8 @@ def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer) -> 
                 parts["ref_logprobs"].append(ref_logprobs)
                 if need_full:
                     parts["full_kl"].append(kl.full_kl(logits, ref_logits, r.temperature))
+                if cfg.trainer.log_kl_panel:  # KL(pi_ref || pi): the direction a k3 loss regularises (docs/kl.md)
+                    parts["full_forward_kl"].append(kl.full_kl(ref_logits, logits, r.temperature))
         del logits
         if critic is not None:
             with timer("values"), accelerator.autocast():
@@ -228,6 +237,7 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_id: int) -> dict[st
     if "ref_logprobs" in batch and cfg.trainer.log_kl_panel:
         panel = kl.kl_panel(batch["old_logprobs"], batch["ref_logprobs"], mask)
         panel["kl/full"] = core_algos.masked_mean(batch["full_kl"], mask).item()
+        panel["kl/full_forward"] = core_algos.masked_mean(batch["full_forward_kl"], mask).item()
         metrics.update(token_weighted_means(panel, mask.sum(), reduce_sum))
     return metrics
 

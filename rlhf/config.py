@@ -128,7 +128,7 @@ class TrainerConfig:
     max_ckpt_to_keep: int = 2  # older checkpoints are deleted
     resume_from: str | None = None  # a checkpoint directory, or "auto" for the latest in output_dir
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
-    log_kl_panel: bool = True  # log kl/k1, kl/k2, kl/k3, kl/abs, kl/full every step (loads the reference even with no KL on)
+    log_kl_panel: bool = True  # log kl/k1, kl/k2, kl/k3, kl/abs, kl/full, kl/full_forward every step (loads the reference even with no KL on)
     mixed_precision: str | None = None  # no | bf16 | fp16 (autocast); None = whatever `accelerate launch` says
 
 

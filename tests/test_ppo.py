@@ -21,7 +21,8 @@ import train
 from rlhf import core_algos, kl, ppo
 from rlhf.config import ActorConfig, load_config
 from rlhf.rewards.gsm8k import compute_score
-from rlhf.rollout import SamplingParams, generate, left_pad, logprobs_and_logits, response_values
+from rlhf.rollout import (SamplingParams, build_batch, generate, left_pad, logprobs_and_logits, response_mask_from_ids,
+                          response_values)
 from rlhf.tracking import Timer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -342,6 +343,48 @@ def test_batch_metrics_are_the_batch_numbers(setup_run):
     d = batch["old_logprobs"] - batch["ref_logprobs"]
     assert metrics["kl/k1"] == pytest.approx(core_algos.masked_mean(d, mask).item(), rel=1e-5)
     assert metrics["kl/full"] > 0
+
+
+def test_kl_panel_is_the_exact_kl_of_each_real_token_computed_by_hand(setup_run, monkeypatch):
+    """The panel on a batch with padding on both sides (prompts of different lengths, responses that stopped
+    early): kl/full, kl/full_forward and kl/k1 equal the KLs of the two models' next-token distributions at
+    the sampling temperature, computed one unpadded sequence at a time in float64 and averaged over the real
+    response tokens only."""
+    cfg, accelerator, models, tokenizer, rows, sampled = setup_run()
+    actor, _, ref = models
+    # responses 1, 4 and 6 end at an EOS (at positions 0, 3 and 9), the rest run to the length limit
+    response_ids = sampled["response_ids"].clone()
+    for row, position in ((1, 0), (4, 3), (6, 9)):
+        response_ids[row, position] = tokenizer.eos_token_id
+        response_ids[row, position + 1:] = tokenizer.pad_token_id
+    response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+    fixed = build_batch(sampled["prompt_ids"], sampled["prompt_mask"], response_ids, response_mask)
+    monkeypatch.setattr(train, "generate", lambda *args, **kwargs: dict(fixed))
+    batch = train.rollout(cfg, accelerator, models, tokenizer, rows, Timer())
+    mask = batch["response_mask"]
+    assert mask.sum(1)[[1, 4, 6]].tolist() == [1, 4, 10] and (batch["prompt_mask"] == 0).any()
+    batch["token_rewards"] = ppo.token_rewards(batch["scores"], mask)
+    batch["advantages"] = batch["returns"] = torch.zeros(mask.shape)
+    metrics = train.batch_metrics(cfg, accelerator, batch, tokenizer.eos_token_id)
+
+    reverse, forward, k1 = [], [], []
+    temperature = cfg.rollout.temperature
+    for i in range(len(mask)):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+        response = batch["response_ids"][i][: int(mask[i].sum())]
+        sequence = torch.cat([prompt, response])[None]
+        with torch.no_grad():  # logits at the positions that predict the response tokens
+            z = actor(input_ids=sequence).logits[0, len(prompt) - 1 : -1].double() / temperature
+            u = ref(input_ids=sequence).logits[0, len(prompt) - 1 : -1].double() / temperature
+        logp, logq = z.log_softmax(-1), u.log_softmax(-1)
+        reverse += (logp.exp() * (logp - logq)).sum(-1).tolist()
+        forward += (logq.exp() * (logq - logp)).sum(-1).tolist()
+        k1 += (logp - logq).gather(-1, response[:, None])[:, 0].tolist()
+    assert len(reverse) == mask.sum()
+    assert metrics["kl/full"] == pytest.approx(sum(reverse) / len(reverse), rel=1e-4)
+    assert metrics["kl/full_forward"] == pytest.approx(sum(forward) / len(forward), rel=1e-4)
+    assert metrics["kl/k1"] == pytest.approx(sum(k1) / len(k1), rel=1e-4, abs=1e-6)
+    assert metrics["kl/full_forward"] != pytest.approx(metrics["kl/full"], rel=1e-2)  # two different directions
 
 
 def test_optimizers_take_each_models_settings(setup_run):

@@ -163,3 +163,35 @@ def test_trainer_logprobs_match_the_sampling_distribution_with_left_padding():
         logprobs, logits = logprobs_and_logits(model, batch, temperature)
     assert logits.shape == (3, 6, 64)
     torch.testing.assert_close(logprobs, expected, rtol=1e-4, atol=1e-4)
+
+
+def paired_sample(model, prompts, seed=42, step=3, process_index=0, max_new_tokens=6):
+    from rlhf.rollout import paired_noise_generator
+
+    torch.manual_seed(torch.randint(0, 10**6, ()).item())  # the global random state must not matter
+    return generate(model, FakeTokenizer, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens),
+                    generator=paired_noise_generator(seed, step, process_index, "cpu"))["response_ids"]
+
+
+def test_paired_noise_gives_the_same_samples_for_the_same_seed_step_and_process():
+    model = tiny_model(vocab_size=64)
+    prompts = torch.randint(2, 64, (16, 3), generator=torch.Generator().manual_seed(0))
+    first = paired_sample(model, prompts)
+    assert torch.equal(first, paired_sample(model, prompts))
+    # another step, another seed or another process draws other noise: with 64 tokens, most samples differ
+    for other in (dict(step=4), dict(seed=43), dict(process_index=1)):
+        assert (paired_sample(model, prompts, **other) != first).float().mean() > 0.5, other
+
+
+def test_paired_noise_keeps_a_row_s_samples_where_the_policies_agree():
+    """Common random numbers: rows whose distributions are unchanged keep their samples even when another
+    row's distribution (here: its prompt) changes, so two runs differ only where their policies do. A
+    large-init model, so that another prompt really is another distribution."""
+    model = tiny_qwen2(64, 0, pad_token_id=PAD, eos_token_id=EOS, initializer_range=1.0)
+    prompts = torch.randint(2, 64, (8, 3), generator=torch.Generator().manual_seed(1))
+    changed = prompts.clone()
+    changed[5] = (changed[5] + 7) % 62 + 2
+    a, b = paired_sample(model, prompts), paired_sample(model, changed)
+    keep = [i for i in range(8) if i != 5]
+    assert torch.equal(a[keep], b[keep])
+    assert not torch.equal(a[5], b[5])

@@ -178,3 +178,36 @@ def test_critic_free_estimators_run_resume_and_refuse_another_estimators_checkpo
     err = capsys.readouterr().err
     assert code == 2 and f"algorithm.adv_estimator={estimator}" in err and "algorithm.adv_estimator=gae" in err
 
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_paired_noise_seeds_each_steps_sampling_by_seed_step_and_process(artifacts, tmp_path, monkeypatch, paired):
+    """rollout.paired_noise: every step's sampling noise comes from paired_noise_generator(seed, step, process
+    index), which the sampler really draws from (the responses change when the generator's seed does)."""
+    from rlhf.rollout import paired_noise_generator
+
+    calls, used = [], []
+
+    def recording(seed, step, process_index, device):
+        calls.append((seed, step, process_index))
+        return paired_noise_generator(seed, step, process_index, device)
+
+    real_rollout = train.rollout
+
+    def rollout(*args, **kwargs):
+        batch = real_rollout(*args, **kwargs)
+        used.append(batch["response_ids"].clone())
+        return batch
+
+    monkeypatch.setattr(train, "paired_noise_generator", recording)
+    monkeypatch.setattr(train, "rollout", rollout)
+    run(artifacts, str(tmp_path / "a"), f"rollout.paired_noise={str(paired).lower()}", "trainer.logger=none",
+        "trainer.seed=7")
+    assert calls == ([(7, 1, 0), (7, 2, 0)] if paired else [])
+    if paired:  # the same steps again, with step 2's noise seeded like step 1's: step 2's samples change
+        first = used[:]
+        calls.clear(), used.clear()
+        monkeypatch.setattr(train, "paired_noise_generator",
+                            lambda seed, step, process_index, device: paired_noise_generator(seed, 1, process_index, device))
+        run(artifacts, str(tmp_path / "b"), "rollout.paired_noise=true", "trainer.logger=none", "trainer.seed=7")
+        assert torch.equal(used[0], first[0]) and not torch.equal(used[1], first[1])
