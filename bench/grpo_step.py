@@ -6,46 +6,37 @@ GRPOTrainer on identical work, and our GAE step (with its critic) against our GR
     python bench/grpo_step.py --iters 5 --warmup 1 --skip-memory
     python bench/grpo_step.py --gpu             # Qwen2.5-0.5B-shaped model, bf16 autocast, CUDA (prepared)
 
-A sibling of bench/ppo_step.py: the workload (tokenizer, random-init tiny Qwen2, chat-templated GSM8K-style
-prompts), `PhaseTimer`, `sync`, the decode/optimizer-step counters, the config of our side and the per-process
-memory measurement are imported from there; only what is GRPO-specific is here.
+The workload (tokenizer, random-init tiny Qwen2, chat-templated GSM8K-style prompts), our side, `PhaseTimer`,
+the decode/optimizer-step counters, the per-process memory measurement and the interleaved rounds are
+bench/common.py's, shared with bench/ppo_step.py; what is GRPO-specific is here.
 
-Workload, identical for every side: the first 8 of ppo_step's prompts (one of the full 48 tokens, the rest
-shorter, left-padded to 48) x n=4 responses = 32 sequences of 64 sampled tokens at temperature 1, never
-stopping at EOS; the same 400-token tiny Qwen2 (MODEL_SIZE) as policy and as frozen reference; float32;
-torch threads 2; one optimizer step per step, over all 32 responses in one forward/backward.
-- ours (GRPO): `rlhf.setup.load_models` (no critic is built) + `rlhf.setup.build_setup`, then
-  `train.train_step`; data.train_batch_size=8 prompts, rollout.n=4, actor.ppo_mini_batch_size=8 prompts
-  (x4 = 32 responses, one mini-batch), actor.ppo_micro_batch_size=32, ppo_epochs=1,
-  rollout.log_prob_micro_batch_size=32, algorithm.adv_estimator=grpo (norm_adv_by_std_in_grpo=true),
-  k3 in the loss (actor.use_kl_loss=true, kl_loss_type=k3, kl_loss_coef=0.05, use_kl_in_reward=false),
-  loss_agg_mode=token-mean, clip 0.2, grad clip 1.0, AdamW(fused) at lr 3e-6 with no schedule,
+Workload, identical for every side: the first 8 of the workload's 32 prompts (one of the full 48 tokens,
+the rest shorter, left-padded to 48) x n=4 responses = 32 sequences of 64 sampled tokens at temperature 1,
+never stopping at EOS; the workload's model as policy and as frozen reference; float32; torch threads 2;
+one optimizer step per step, over all 32 responses in one forward/backward.
+- ours (GRPO, `group_config`): `rlhf.setup.load_models` (no critic is built) + `rlhf.setup.build_setup`,
+  then `train.train_step`; 8 prompts x rollout.n=4 in one mini-batch and one micro-batch, 1 epoch,
+  algorithm.adv_estimator=grpo (divided by the group's std), k3 in the loss (coef 0.05, none in the
+  reward), token-mean loss, clip 0.2, grad clip 1.0, fused AdamW at lr 3e-6 with no schedule,
   rollout.ignore_eos=true, the KL panel on (the trainer's default; also timed off: "estimator only").
-- TRL: `trl.GRPOTrainer` with a Python reward function (`rlhf.rewards.gsm8k.compute_score` against the
-  dataset's ground_truth column, "strict" as ours), per_device_train_batch_size=32 completions,
-  num_generations=4, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1 (so one train
-  step = one generation of 8 prompts x 4 + one optimizer step), max_completion_length=64 with
-  generation_kwargs={"min_new_tokens": 64} (EOS is masked out while sampling, so every completion is exactly
-  64 tokens and none is cut at an EOS; setting eos_token_id=None does not work: transformers refills it from
-  the model's generation config), temperature 1, top_p 1, top_k 0, beta=0.05 (TRL's KL is k3 in the loss),
-  use_bias_correction_kl=False, epsilon 0.2, loss_type="dapo" (sum over the tokens of the generation batch /
-  their number: here the same token mean over the one mini-batch as ours), scale_rewards="group" (divide by
-  the group's std, as ours), learning_rate 3e-6 with lr_scheduler_type="constant", max_grad_norm 1.0,
-  optim adamw_torch_fused, sync_ref_model=False, disable_dropout=True, bf16 off (PPO/GRPO configs default
-  it on), gradient checkpointing off, logging every step (as ours computes its metrics every step).
-Differences that could not be removed (each said in the output):
+- TRL (`TRLGRPOSide`): `trl.GRPOTrainer` with a Python reward function (`gsm8k_reward`: our GSM8K rule,
+  "strict" as ours), the same batch shape (one train step = one generation of 8 prompts x 4 + one
+  optimizer step), beta=0.05 (TRL's KL is k3 in the loss) without its bias correction, epsilon 0.2, the
+  same token mean and group-std scaling, lr 3e-6 constant, grad clip 1.0, fused AdamW, no reference sync,
+  no dropout, bf16 and activation checkpointing off (its configs default them on), logging every step (as
+  ours computes its metrics every step). Each setting and why is at its `GRPOConfig` below.
+Differences that could not be removed (the first four are said in the output):
 - TRL skips the old-policy log-prob forward when num_iterations=1 and the generation batch is one optimizer
-  step (it uses the update forward's detached log-probs); our trainer always runs that pass (32 x 112 tokens,
-  no grad). TRL's favour.
+  step (it uses the update forward's detached log-probs); our trainer always runs that pass (32 x 112
+  tokens, no grad). TRL's favour.
 - Ours computes the KL panel (every estimator and the exact KL from both models' logits) by default; the
   "estimator only" row turns it off.
 - TRL masks EOS while sampling (min_new_tokens), ours samples it and goes on (ignore_eos): the sampling
   distributions differ by one token of 400; the work is the same.
-- Group std: TRL divides by std + 1e-4, ours std + 1e-6; our k3 clamps as verl (exponent to [-20, 20],
-  value to [-10, 10]) and our policy loss has verl's dual clip; on the one on-policy update (ratio 1) none
-  of them is active.
-- TRL shuffles the generation batch (cheap) and runs its Trainer loop (callbacks, logging, epoch bookkeeping:
-  with 8 prompts every step is an epoch, as our prompt sampler's is).
+- Group std: TRL divides by std + 1e-4, ours by std + 1e-6. Our k3 clamps as verl's and our policy loss has
+  verl's dual clip; on the one on-policy update (ratio 1) neither is active.
+- TRL shuffles the generation batch (cheap) and runs its Trainer loop (callbacks, logging, epoch
+  bookkeeping: with 8 prompts every step is an epoch, as our prompt sampler's is).
 
 Our GAE step for comparison: `bench/ppo_step.py`'s PPO configuration (critic, GAE with gamma 1, lam 0.95,
 whitened advantages, k3 KL in the reward, value clip 0.2) on the same 8 prompts x n=4 = 32 responses of 64
@@ -55,94 +46,60 @@ optimizer state) and where the KL goes (reward vs loss: elementwise, no extra pa
 
 How each side is timed, in this one process, interleaved round by round (the order rotates every round) after
 warm-up, medians over `--iters` rounds:
-- TRL: `trainer.train()` runs in a helper thread with a very large max_steps; a callback stops it at the
-  end of every optimizer step (`on_step_end`, after a GPU sync) until the main thread asks for the next
-  step. A step's time is from the thread's release to the next `on_step_end`: exactly one iteration of
-  TRL's training loop (the previous step's logging, the data loader, generation, reward, reference forward,
-  advantages, loss forward/backward, clipping, optimizer and scheduler steps). The main thread only waits
-  meanwhile, so the sides never run at the same time.
-- ours: the wall time of `train.train_step(...)` with ppo_step's `PhaseTimer` (phases synchronised).
+- TRL: from the release of `trainer.train()`'s thread, parked by a callback (`TRLGRPOSide`), to its next
+  `on_step_end` (after a GPU sync): exactly one iteration of TRL's training loop (the previous step's
+  logging, the data loader, generation, reward, reference forward, advantages, loss forward/backward,
+  clipping, optimizer and scheduler steps). The main thread only waits meanwhile.
+- ours: the wall time of `train.train_step(...)` with bench/common.py's `PhaseTimer` (phases synchronised).
 Before timing, one step of each side is checked: exactly 64 decoding steps in the generation call, one
 optimizer step per optimizer, 32 sequences in every policy forward, 64-token completions on TRL's side, the
 right losses (KL in TRL's loss / ours: actor/kl_loss; GAE: the reward KL and a critic).
-Peak memory per side in a fresh subprocess, by ppo_step's `measure_memory_child` (peak RSS over 2 steps after
-a warm-up one minus RSS before them on CPU; torch.cuda.max_memory_allocated minus allocated before on GPU):
-what a step allocates, not the models or the optimizer state. The line after it gives the resident memory
-before the steps, where GAE's critic (weights, grads, AdamW state) shows.
+Peak memory of a step per side, each in a fresh subprocess, as bench/common.py says: what a step allocates,
+not the models or the optimizer state. The line after it gives the resident memory before the steps, where
+GAE's critic (weights, grads, AdamW state) shows.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for ppo_step
+# bench/common.py first: it sets the environment before torch loads and puts the repository root on sys.path.
+from common import (GROUP_PROMPTS, KL_COEF, LR, N, NUM_RESPONSES, PHASES, PROMPT_WIDTH, RESPONSE_LENGTH, SEED,
+                    GenerationClock, OursMinimal, OursSide, PhaseTimer, build_workload, count_decode_steps,
+                    count_optimizer_steps, forward_batch_sizes, interleaved_rounds, load_group_workload,
+                    measure_memory, median_phase, median_untimed, our_config, paired, print_versions_and_load,
+                    start, step_memory, sync)
 
-# ppo_step sets OMP_WAIT_POLICY=PASSIVE (unless set) before torch is imported, and puts the repository root
-# on sys.path.
-import ppo_step  # noqa: E402
-from ppo_step import (KL_COEF, LR, PHASES, PROMPT_WIDTH, QWEN_0_5B_SIZE, RESPONSE_LENGTH,  # noqa: E402
-                      SEED, SETUP, GenerationClock, OursMinimal, OursSide, PhaseTimer, build_workload,
-                      count_decode_steps, count_optimizer_steps, interleaved_rounds, load_workload, our_config,
-                      print_versions_and_load, sync)
-
-import torch  # noqa: E402
-
-NUM_PROMPTS = 8  # prompts per step (the first 8 of ppo_step's workload)
-N = 4  # responses per prompt
-NUM_RESPONSES = NUM_PROMPTS * N  # 32 sequences per step, as in ppo_step
-
-
-def load_group_workload(workdir: str):
-    """ppo_step's workload cut to the first NUM_PROMPTS prompts (the first is the full-width one)."""
-    model_dir, tokenizer, prompts = load_workload(workdir)
-    prompts = {key: values[:NUM_PROMPTS] for key, values in prompts.items()}
-    assert max(map(len, prompts["input_ids"])) == PROMPT_WIDTH, "the full-width prompt must be among them"
-    return model_dir, tokenizer, prompts
-
-
-@contextlib.contextmanager
-def forward_batch_sizes(model, sizes: list[int]):
-    """Inside the block, every forward of `model` appends its batch size to `sizes`."""
-    def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        sizes.append(int(ids.shape[0]))
-
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-
+import torch
 
 # ----------------------------------------------------------------------------- ours
 
 
-def group_config(workdir: str, estimator: str, log_kl_panel: bool):
-    """ppo_step's config of our side (model, lengths, temperature, lr, clips, ignore_eos, seed, precision)
-    with this workload's batch shape; for grpo the KL moves from the reward into the loss (k3)."""
+def group_config(workdir: str, estimator: str, log_kl_panel: bool, gpu: bool):
+    """bench/common.py's config of our side (model, lengths, temperature, lr, clips, ignore_eos, seed,
+    precision) with this workload's batch shape; for grpo the KL moves from the reward into the loss (k3)."""
     import yaml
 
     from rlhf.config import set_value, validate
 
     overrides = [
-        f"data.train_batch_size={NUM_PROMPTS}", f"rollout.n={N}", f"rollout.log_prob_micro_batch_size={NUM_RESPONSES}",
-        "actor.ppo_epochs=1", f"actor.ppo_mini_batch_size={NUM_PROMPTS}", f"actor.ppo_micro_batch_size={NUM_RESPONSES}",
+        f"data.train_batch_size={GROUP_PROMPTS}", f"rollout.n={N}",
+        f"rollout.log_prob_micro_batch_size={NUM_RESPONSES}", "actor.ppo_epochs=1",
+        f"actor.ppo_mini_batch_size={GROUP_PROMPTS}", f"actor.ppo_micro_batch_size={NUM_RESPONSES}",
         "actor.loss_agg_mode=token-mean", f"algorithm.adv_estimator={estimator}",
     ]
     if estimator == "grpo":
         overrides += ["algorithm.norm_adv_by_std_in_grpo=true", "algorithm.use_kl_in_reward=false",
                       "actor.use_kl_loss=true", "actor.kl_loss_type=k3", f"actor.kl_loss_coef={KL_COEF}"]
-    cfg = our_config(workdir, log_kl_panel)
+    cfg = our_config(workdir, log_kl_panel, gpu)
     for item in overrides:
         key, _, value = item.partition("=")
         set_value(cfg, key, yaml.safe_load(value), text=value)
@@ -151,30 +108,17 @@ def group_config(workdir: str, estimator: str, log_kl_panel: bool):
 
 
 class OursGroupSide(OursSide):
-    """ppo_step's `OursSide` (its `step()`: `train.train_step` timed with `PhaseTimer`) on this workload, with
-    `algorithm.adv_estimator` grpo (no critic) or gae (critic, as ppo_step's PPO step)."""
+    """bench/common.py's `OursSide` (its `step()`: `train.train_step` timed with `PhaseTimer`) on this
+    workload, with `algorithm.adv_estimator` grpo (no critic) or gae (critic, as ppo_step's PPO step)."""
 
-    def __init__(self, workdir: str, estimator: str):
-        from accelerate import Accelerator
-        from datasets import Dataset
-
-        from rlhf.setup import build_setup, load_models
-
+    def __init__(self, workdir: str, estimator: str, gpu: bool):
+        _, tokenizer, prompts = load_group_workload(workdir)
         self.estimator = estimator
-        self.name = f"ours {estimator} train_step"
-        self.cfg_panel = group_config(workdir, estimator, True)
-        self.cfg_minimal = group_config(workdir, estimator, False)
-        model_dir, tokenizer, prompts = load_group_workload(workdir)
-        self.accelerator = Accelerator(mixed_precision=self.cfg_panel.trainer.mixed_precision)
-        train_set = Dataset.from_dict(prompts)  # input_ids (already tokenized) and ground_truth
-        self.run = build_setup(self.cfg_panel, self.accelerator, tokenizer, train_set, None,
-                               *load_models(self.cfg_panel, model_dir))
-        self.models, self.optimizers = self.run.models, self.run.optimizers
-        self.actor = self.accelerator.unwrap_model(self.models[0])  # what the decoding loop calls
-        self.num_steps = 0
+        super().__init__(f"ours {estimator} train_step", group_config(workdir, estimator, True, gpu),
+                         group_config(workdir, estimator, False, gpu), tokenizer, prompts)
 
     def describe(self) -> str:
-        opts = [opt.optimizer for opt in self.optimizers if opt is not None]
+        opts = self.torch_optimizers
         return (f"{type(opts[0]).__name__}(fused={opts[0].defaults.get('fused')}) x{len(opts)} "
                 f"({'actor, critic' if len(opts) == 2 else 'actor; no critic built'})")
 
@@ -183,7 +127,7 @@ class OursGroupSide(OursSide):
         sequences in every actor forward, the KL where it belongs and a critic only for gae."""
         optimizer_steps, sizes = [], []
         timer = PhaseTimer(self.actor)
-        opts = [opt.optimizer for opt in self.optimizers if opt is not None]
+        opts = self.torch_optimizers
         with count_optimizer_steps(opts, optimizer_steps), forward_batch_sizes(self.actor, sizes):
             self.step(timer=timer)
         who = f"ours ({self.estimator})"
@@ -211,14 +155,15 @@ def gsm8k_reward(completions, ground_truth, **kwargs) -> list[float]:
 
 
 class TRLGRPOSide:
-    """TRL's GRPOTrainer, set up for exactly the workload; `step()` runs one iteration of its training loop.
+    """TRL's GRPOTrainer, set up for exactly the workload (`gpu`: bf16); `step()` runs one iteration of its
+    training loop.
 
     `trainer.train()` runs in a helper thread with a huge max_steps; a callback parks it at every
     `on_step_end` (and at `on_train_begin`) until `step()` releases it. Only one thread runs at a time."""
 
     name = "TRL GRPOTrainer"
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, gpu: bool):
         from datasets import Dataset
         from transformers import TrainerCallback
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -238,15 +183,19 @@ class TRLGRPOSide:
             # 32 completions = 8 prompts x 4 per generation and per optimizer step, one forward/backward.
             per_device_train_batch_size=NUM_RESPONSES, gradient_accumulation_steps=1, steps_per_generation=1,
             num_generations=N, num_iterations=1,
+            # EOS is masked out while sampling, so every completion is exactly 64 tokens and none is cut at an
+            # EOS (eos_token_id=None does not work: transformers refills it from the generation config).
             max_completion_length=RESPONSE_LENGTH, generation_kwargs={"min_new_tokens": RESPONSE_LENGTH},
             temperature=1.0, top_p=1.0, top_k=0,
+            # "dapo": the sum over the generation batch's tokens / their number, here the same token mean over
+            # the one mini-batch as ours; "group": advantages divided by the group's std, as ours.
             beta=KL_COEF, use_bias_correction_kl=False, epsilon=0.2, loss_type="dapo", scale_rewards="group",
             mask_truncated_completions=False, sync_ref_model=False, disable_dropout=True,
             learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
             optim="adamw_torch_fused",
             # TRL's configs default to bf16 and activation checkpointing on. (`gradient_checkpointing`, the old
             # name, is a deprecated alias in transformers 5: the new name set to False turns both off.)
-            bf16=SETUP.bf16, fp16=False, activation_checkpointing=False,
+            bf16=gpu, fp16=False, activation_checkpointing=False,
             max_steps=10**9, save_strategy="no", eval_strategy="no", logging_steps=1, disable_tqdm=True,
             log_completions=False, dataloader_num_workers=0,
         )
@@ -300,9 +249,7 @@ class TRLGRPOSide:
             self._done.release()
 
     def describe(self) -> str:
-        opt = self.trainer.optimizer.optimizer if self.trainer.optimizer is not None else None
-        if opt is None:
-            return f"optim={self.trainer.args.optim} (created at train start)"
+        opt = self.trainer.optimizer.optimizer  # built before on_train_begin, which the constructor waits for
         return f"{type(opt).__name__}(fused={opt.defaults.get('fused')}) over the policy"
 
     def step(self) -> dict[str, float]:
@@ -341,34 +288,132 @@ class TRLGRPOSide:
         return {"policy_forwards": len(sizes), "optimizer_steps": optimizer_steps}
 
 
-# ----------------------------------------------------------------------------- memory (one side per process)
+# ----------------------------------------------------------------------------- measuring
 
 
-SIDE_FACTORIES = {"trl": TRLGRPOSide,
-                  "ours": lambda workdir: OursGroupSide(workdir, "grpo"),
-                  "gae": lambda workdir: OursGroupSide(workdir, "gae")}
+SIDES = ("trl", "ours", "gae")  # what a memory subprocess can measure (--memory-child)
 
 
-def memory_child(side_name: str, workdir: str) -> dict[str, float]:
-    """ppo_step's measurement in this (fresh) process. Its `measure_memory_child` builds `TRLSide(workdir)`
-    for "trl" and `OursSide(workdir)` otherwise, looked up in its module at call time: point both at this
-    side (this process measures one side and exits, so nothing else sees the change)."""
-    ppo_step.TRLSide = ppo_step.OursSide = SIDE_FACTORIES[side_name]
-    return ppo_step.measure_memory_child(side_name, workdir)
+def build_side(name: str, workdir: str, gpu: bool):
+    """One of SIDES: TRL's GRPOTrainer, our grpo step or our gae step."""
+    if name == "trl":
+        return TRLGRPOSide(workdir, gpu)
+    return OursGroupSide(workdir, "grpo" if name == "ours" else "gae", gpu)
 
 
-def measure_memory(side_name: str, workdir: str, threads: int) -> dict[str, float]:
-    """As ppo_step.measure_memory, but running this file's sides."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", side_name, "--workdir", workdir,
-           "--threads", str(threads), *(["--gpu"] if SETUP.model_size is QWEN_0_5B_SIZE else [])]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors leave the RSS at once (ppo_step)
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"memory measurement of {side_name} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+@dataclasses.dataclass
+class Result:
+    """What the timed rounds and the memory subprocesses measured."""
+
+    names: dict[str, str]  # side key ("trl", "ours", "minimal", "gae") -> its name, in the order of a round
+    times: dict[str, list[dict[str, float]]]  # side key -> per round: "step", each phase's s, "gen_synced"
+    memory: dict[str, dict[str, float]]  # "ours", "trl", "gae" -> common.step_memory's fields; empty: --skip-memory
+    on_gpu: bool
 
 
-# ----------------------------------------------------------------------------- main
+def print_setup(trl, transformers, ours: OursGroupSide, prompts: dict, gpu: bool) -> None:
+    """What the timing is taken under: versions, machine, workload."""
+    device = ours.accelerator.device
+    num_params = sum(p.numel() for p in ours.models[0].parameters())
+    print_versions_and_load(trl, transformers, device)
+    print(f"workload: Qwen2 {num_params / 1e6:.2f}M parameters (vocab {ours.models[0].config.vocab_size}), "
+          f"{GROUP_PROMPTS} prompts x n={N} = {NUM_RESPONSES} sequences, prompts left-padded to "
+          f"{PROMPT_WIDTH} tokens (lengths {sorted(map(len, prompts['input_ids']))}), {RESPONSE_LENGTH} "
+          f"sampled tokens at temperature 1, one optimizer step per step, k3 KL in the loss (coef "
+          f"{KL_COEF}), lr {LR}, {'bf16 autocast over float32 weights' if gpu else 'float32'}, "
+          f"on {device}")
+
+
+def print_checks(trl_side: TRLGRPOSide, ours: OursGroupSide, gae: OursGroupSide) -> None:
+    """Check one step of each side (their `check()`) and say what was checked and what still differs."""
+    trl_check, ours_check, gae_check = trl_side.check(), ours.check(), gae.check()
+    print(f"optimizers: TRL {trl_side.describe()}; ours grpo {ours.describe()}; ours gae {gae.describe()}")
+    print(f"checked, one step each: {RESPONSE_LENGTH} decoding steps, {NUM_RESPONSES} sequences per policy "
+          f"forward; policy forwards per step: TRL {trl_check['policy_forwards']}, ours grpo "
+          f"{ours_check['policy_forwards']}, ours gae {gae_check['policy_forwards']}; optimizer steps: TRL "
+          f"{trl_check['optimizer_steps']}, ours grpo {ours_check['optimizer_steps']}, ours gae "
+          f"{gae_check['optimizer_steps']} (actor, critic)")
+    print("differences left: TRL skips the old-policy log-prob forward (num_iterations=1, one optimizer step "
+          "per generation: it reuses the update's detached log-probs), ours always runs it; ours computes "
+          "the KL panel (the 'estimator only' row does not); TRL masks EOS while sampling (min_new_tokens), "
+          "ours samples it and ignores it; group std + 1e-4 (TRL) vs + 1e-6 (ours).")
+
+
+def measure(args, trl, transformers) -> Result | None:
+    """Build the workload and the four sides, check one step of each, run the interleaved rounds, then
+    measure memory (one subprocess per side). None for --iters 0."""
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-") as workdir:
+        build_workload(workdir, args.gpu)
+        _, tokenizer, prompts = load_group_workload(workdir)
+        trl_side = TRLGRPOSide(workdir, args.gpu)
+        try:
+            ours, gae = OursGroupSide(workdir, "grpo", args.gpu), OursGroupSide(workdir, "gae", args.gpu)
+            minimal = OursMinimal(ours, "ours grpo, estimator only")
+            sides = [("trl", trl_side), ("ours", ours), ("minimal", minimal), ("gae", gae)]
+            print_setup(trl, transformers, ours, prompts, args.gpu)
+            print_checks(trl_side, ours, gae)
+            times = interleaved_rounds(sides, args.warmup, args.iters)
+        finally:
+            trl_side.close()
+        memory = {} if args.skip_memory else {k: measure_memory(os.path.abspath(__file__), k, workdir, args.threads,
+                                                                args.gpu) for k in ("ours", "trl", "gae")}
+    if not args.iters:
+        return None
+    return Result({key: side.name for key, side in sides}, times, memory, ours.accelerator.device.type == "cuda")
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def print_memory(memory: dict[str, dict[str, float]], on_gpu: bool) -> None:
+    """Each side's peak memory of a step, from its subprocess, and the ratios: ours/TRL, GAE/GRPO."""
+    def mb(key: str, field: str = "step_peak_mb") -> float:
+        return memory[key][field]
+
+    what = ("torch.cuda.max_memory_allocated over 2 steps after a warm-up one, minus what was allocated "
+            "before them" if on_gpu else "peak RSS over 2 steps after a warm-up one, minus RSS before them")
+    print(f"\npeak memory of a step ({what}; one fresh process per side):")
+    for key, label in (("ours", "ours grpo"), ("trl", "TRL"), ("gae", "ours gae")):
+        print(f"  {label:<10} {mb(key):7.1f} MB   (peak {mb(key, 'peak_rss_mb'):.0f} MB, "
+              f"before the steps {mb(key, 'rss_before_mb'):.0f} MB)")
+    critic_mb = mb("gae", "rss_before_mb") - mb("ours", "rss_before_mb")
+    print(f"memory ours/TRL {mb('ours') / mb('trl'):.2f} (target <= 1); GAE/GRPO: a step's peak "
+          f"{mb('gae') / mb('ours'):.2f}x, resident before the steps {critic_mb:+.0f} MB "
+          "(the critic's weights, gradients and AdamW state)")
+
+
+def print_report(r: Result) -> None:
+    """The medians, the ratios against their targets, generation and phases, memory, and a key=value line."""
+    times = r.times
+    med = {k: statistics.median(t["step"] for t in v) for k, v in times.items()}
+    ratio, gae_over_grpo = paired(times, "ours", "trl"), paired(times, "gae", "ours")
+    print(f"\nstep time, median of {len(times['ours'])} (min)")
+    for key, name in r.names.items():
+        print(f"  {name:<28} {med[key]:7.3f} s  ({min(t['step'] for t in times[key]):.3f})")
+    print(f"ratio ours/TRL            {ratio:.3f}   (target <= 0.65; median of per-round ratios; ratio of medians "
+          f"{med['ours'] / med['trl']:.3f})")
+    print(f"ratio ours/TRL, panel off {paired(times, 'minimal', 'trl'):.3f}   (ours with trainer.log_kl_panel=false)")
+    print(f"GAE / GRPO (ours)         {gae_over_grpo:.3f}   (median of per-round ratios; the GRPO step "
+          f"takes {1 - 1 / gae_over_grpo:.0%} less time)")
+
+    gen_s = {k: statistics.median(t["gen_synced"] for t in times[k]) for k in ("ours", "trl", "gae")}
+    print(f"\ngeneration ({NUM_RESPONSES} x {RESPONSE_LENGTH} tokens), median s: ours {gen_s['ours']:.3f}, "
+          f"TRL {gen_s['trl']:.3f}; the rest of the step: ours {med['ours'] - gen_s['ours']:.3f}, "
+          f"TRL {med['trl'] - gen_s['trl']:.3f}")
+    print("our steps by phase, median s:  grpo     gae")
+    for label, keys in PHASES:
+        print(f"  {label:<12} {median_phase(times['ours'], keys):16.3f} {median_phase(times['gae'], keys):7.3f}")
+    print(f"  {'other':<12} {median_untimed(times['ours']):16.3f} {median_untimed(times['gae']):7.3f}   "
+          "(batch building, scoring, advantages, metrics)")
+    if r.memory:
+        print_memory(r.memory, r.on_gpu)
+
+    def mb(key: str) -> float:
+        return r.memory.get(key, {}).get("step_peak_mb", float("nan"))
+
+    print(f"ours_s_per_step={med['ours']:.4f} trl_s_per_step={med['trl']:.4f} ratio={ratio:.3f} "
+          f"ours_peak_mb={mb('ours'):.1f} trl_peak_mb={mb('trl'):.1f} gae_s_per_step={med['gae']:.4f} "
+          f"gae_over_grpo={gae_over_grpo:.3f} gae_peak_mb={mb('gae'):.1f}")
 
 
 def main() -> None:
@@ -381,103 +426,20 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="a model of Qwen2.5-0.5B's shape (random init), bf16 "
                         "autocast, on CUDA (needs a GPU; prepared, not yet run on one)")
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--memory-child", choices=tuple(SIDE_FACTORIES), help=argparse.SUPPRESS)
+    parser.add_argument("--memory-child", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    trl, transformers = ppo_step.start(args.threads, args.gpu)
+    trl, transformers = start(args.threads, args.gpu)
     # Noise from the libraries, nothing about the work: transformers 5's renames (TRL calls
     # `is_gradient_checkpointing`), and pin_memory on a machine without an accelerator.
     warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6.*")
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true.*")
     if args.memory_child:
-        print(json.dumps(memory_child(args.memory_child, args.workdir)))
+        # One side, then the process exits (TRL's training thread is a daemon).
+        print(json.dumps(step_memory(build_side(args.memory_child, args.workdir, args.gpu))))
         return
-
-    sides: list[tuple[str, object]] = []
-    with tempfile.TemporaryDirectory(prefix="grpo-bench-") as workdir:
-        build_workload(workdir)
-        _, tokenizer, prompts = load_group_workload(workdir)
-        trl_side = TRLGRPOSide(workdir)
-        try:
-            ours, gae = OursGroupSide(workdir, "grpo"), OursGroupSide(workdir, "gae")
-            minimal = OursMinimal(ours)
-            minimal.name = "ours grpo, estimator only"
-            sides = [("trl", trl_side), ("ours", ours), ("minimal", minimal), ("gae", gae)]
-            num_params = sum(p.numel() for p in ours.models[0].parameters())
-            device = ours.accelerator.device
-            print_versions_and_load(trl, transformers)
-            if device.type == "cuda":
-                print(f"device: {torch.cuda.get_device_name()}")
-            print(f"workload: Qwen2 {num_params / 1e6:.2f}M parameters (vocab {ours.models[0].config.vocab_size}), "
-                  f"{NUM_PROMPTS} prompts x n={N} = {NUM_RESPONSES} sequences, prompts left-padded to "
-                  f"{PROMPT_WIDTH} tokens (lengths {sorted(map(len, prompts['input_ids']))}), {RESPONSE_LENGTH} "
-                  f"sampled tokens at temperature 1, one optimizer step per step, k3 KL in the loss (coef "
-                  f"{KL_COEF}), lr {LR}, {'bf16 autocast over float32 weights' if SETUP.bf16 else 'float32'}, "
-                  f"on {device}")
-            trl_check, ours_check, gae_check = trl_side.check(), ours.check(), gae.check()
-            print(f"optimizers: TRL {trl_side.describe()}; ours grpo {ours.describe()}; ours gae {gae.describe()}")
-            print(f"checked, one step each: {RESPONSE_LENGTH} decoding steps, {NUM_RESPONSES} sequences per policy "
-                  f"forward; policy forwards per step: TRL {trl_check['policy_forwards']}, ours grpo "
-                  f"{ours_check['policy_forwards']}, ours gae {gae_check['policy_forwards']}; optimizer steps: TRL "
-                  f"{trl_check['optimizer_steps']}, ours grpo {ours_check['optimizer_steps']}, ours gae "
-                  f"{gae_check['optimizer_steps']} (actor, critic)")
-            print("differences left: TRL skips the old-policy log-prob forward (num_iterations=1, one optimizer step "
-                  "per generation: it reuses the update's detached log-probs), ours always runs it; ours computes "
-                  "the KL panel (the 'estimator only' row does not); TRL masks EOS while sampling (min_new_tokens), "
-                  "ours samples it and ignores it; group std + 1e-4 (TRL) vs + 1e-6 (ours).")
-
-            times = interleaved_rounds(sides, args.warmup, args.iters)
-        finally:
-            trl_side.close()
-        memory = {} if args.skip_memory else {k: measure_memory(k, workdir, args.threads)
-                                              for k in ("ours", "trl", "gae")}
-    if not args.iters:
-        return
-
-    med = {k: statistics.median(t["step"] for t in v) for k, v in times.items()}
-
-    def paired(a: str, b: str) -> float:  # median over rounds of a's step / b's step in the same round
-        return statistics.median(x["step"] / y["step"] for x, y in zip(times[a], times[b]))
-
-    ratio = paired("ours", "trl")
-    print(f"\nstep time, median of {args.iters} (min)")
-    for key, side in sides:
-        print(f"  {side.name:<28} {med[key]:7.3f} s  ({min(t['step'] for t in times[key]):.3f})")
-    print(f"ratio ours/TRL            {ratio:.3f}   (target <= 0.65; median of per-round ratios; ratio of medians "
-          f"{med['ours'] / med['trl']:.3f})")
-    print(f"ratio ours/TRL, panel off {paired('minimal', 'trl'):.3f}   (ours with trainer.log_kl_panel=false)")
-    print(f"GAE / GRPO (ours)         {paired('gae', 'ours'):.3f}   (median of per-round ratios; the GRPO step "
-          f"takes {1 - 1 / paired('gae', 'ours'):.0%} less time)")
-
-    gen_s = {k: statistics.median(t["gen_synced"] for t in times[k]) for k in ("ours", "trl", "gae")}
-    print(f"\ngeneration ({NUM_RESPONSES} x {RESPONSE_LENGTH} tokens), median s: ours {gen_s['ours']:.3f}, "
-          f"TRL {gen_s['trl']:.3f}; the rest of the step: ours {med['ours'] - gen_s['ours']:.3f}, "
-          f"TRL {med['trl'] - gen_s['trl']:.3f}")
-    print("our steps by phase, median s:  grpo     gae")
-    for label, keys in PHASES:
-        grpo_s, gae_s = (statistics.median(sum(t.get(k, 0.0) for k in keys) for t in times[side])
-                         for side in ("ours", "gae"))
-        print(f"  {label:<12} {grpo_s:16.3f} {gae_s:7.3f}")
-    grpo_s, gae_s = (statistics.median(t["step"] - sum(v for k, v in t.items() if k not in ("step", "gen_synced"))
-                                       for t in times[side]) for side in ("ours", "gae"))
-    print(f"  {'other':<12} {grpo_s:16.3f} {gae_s:7.3f}   (batch building, scoring, advantages, metrics)")
-
-    def mb(key: str, field: str = "step_peak_mb") -> float:
-        return memory.get(key, {}).get(field, float("nan"))
-
-    if memory:
-        what = ("torch.cuda.max_memory_allocated over 2 steps after a warm-up one, minus what was allocated "
-                "before them" if device.type == "cuda" else
-                "peak RSS over 2 steps after a warm-up one, minus RSS before them")
-        print(f"\npeak memory of a step ({what}; one fresh process per side):")
-        for key, label in (("ours", "ours grpo"), ("trl", "TRL"), ("gae", "ours gae")):
-            print(f"  {label:<10} {mb(key):7.1f} MB   (peak {mb(key, 'peak_rss_mb'):.0f} MB, "
-                  f"before the steps {mb(key, 'rss_before_mb'):.0f} MB)")
-        print(f"memory ours/TRL {mb('ours') / mb('trl'):.2f} (target <= 1); GAE/GRPO: a step's peak "
-              f"{mb('gae') / mb('ours'):.2f}x, resident before the steps {mb('gae', 'rss_before_mb') - mb('ours', 'rss_before_mb'):+.0f} MB "
-              "(the critic's weights, gradients and AdamW state)")
-    print(f"ours_s_per_step={med['ours']:.4f} trl_s_per_step={med['trl']:.4f} ratio={ratio:.3f} "
-          f"ours_peak_mb={mb('ours'):.1f} trl_peak_mb={mb('trl'):.1f} gae_s_per_step={med['gae']:.4f} "
-          f"gae_over_grpo={paired('gae', 'ours'):.3f} gae_peak_mb={mb('gae'):.1f}")
+    result = measure(args, trl, transformers)
+    if result is not None:
+        print_report(result)
 
 
 if __name__ == "__main__":
