@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one script for a lent GPU machine (no network there): ~8 minutes on one
-# H200. Writes everything to $OUT (default outputs/gpu_check): the GPU's name, each check's log, and
+# The checks that need a GPU, as one script for a lent GPU machine (no network there): at most 9 minutes,
+# the two timeouts below (it has not run on a GPU yet, so how long each check takes is not measured).
+# Writes everything to $OUT (default outputs/gpu_check): the GPU's name, each check's log, and
 #   ppo_step.txt         python bench/ppo_step.py --gpu: ours against TRL's PPOTrainer at Qwen2.5-0.5B's
 #                        shape, bf16 (seconds per step, tokens per second, peak GPU memory)
 #   rehearsal.json       python bench/rehearse_gpu_recipe.py --gpu: 3 steps of the GPU recipe with the
@@ -15,7 +16,8 @@ mkdir -p "$OUT"
   python -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'accelerate', accelerate.__version__)"; } > "$OUT/gpu.txt" 2>&1
 
-# 21 rounds of a 32 x 64-token step take ~2 min on an H200; the rounds are interleaved with TRL's.
+# 11 timed rounds (after 2 warm-up ones) of the four sides, interleaved: TRL, ours, ours with the KL panel
+# off, the floor; then one memory process each for ours and TRL.
 timeout 240 python bench/ppo_step.py --gpu --iters 11 > "$OUT/ppo_step.txt" 2>&1
 echo "ppo_step exit $?" >> "$OUT/gpu.txt"
 

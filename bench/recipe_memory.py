@@ -1,6 +1,6 @@
 """The GPU recipe's memory per GPU, computed from Qwen2.5-0.5B's shape and the config's sizes.
 
-    python bench/recipe_memory.py        # the README's table: the recipe as configured, and per card size
+    python bench/recipe_memory.py        # docs/gpu.md's table: the recipe as configured, and per card size
 
 Each row is one kind of tensor at its largest, in GiB per process:
 - actor and critic (float32 master weights, model.dtype): weights, gradients, AdamW's two moments;
@@ -20,7 +20,7 @@ Each row is one kind of tensor at its largest, in GiB per process:
 What is not counted: the CUDA context and allocator slack (~1-2 GB in practice), the attention's own
 buffers. Prompts are counted at data.max_prompt_length (GSM8K's word problems are shorter: less in practice).
 Sampling, the log-prob pass and the update do not overlap (each one's tensors are freed before the next),
-so the peak is static + the largest of the three moments.
+so the peak is static + the bf16 copy of the weights + the largest of the three moments.
 """
 
 from __future__ import annotations

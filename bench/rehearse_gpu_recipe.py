@@ -1,7 +1,7 @@
 """Rehearse the GPU recipe on a CPU at Qwen2.5-0.5B's real shape, before a user's first GPU run does.
 
     python bench/rehearse_gpu_recipe.py              # real width and vocabulary, 12 of the 24 layers
-    python bench/rehearse_gpu_recipe.py --layers 24  # full depth: ~18 min, 22.2 GiB peak here (README)
+    python bench/rehearse_gpu_recipe.py --layers 24  # full depth: ~18 min, 22.2 GiB peak here (docs/gpu.md)
     python bench/rehearse_gpu_recipe.py --gpu --layers 24   # on a GPU machine: the recipe's own batch sizes
 
 What runs is the recipe's command,
@@ -17,9 +17,10 @@ The model and data are made here, with no network:
 - a Qwen2ForCausalLM with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864,
   vocabulary 151,936, tied embeddings; --layers sets the depth, 12 by default: half the time, room to
   spare), randomly initialised and saved in bfloat16 as the hub's is;
-- the embedded default's tokenizer (a 494-token byte-level BPE with a ChatML template), not Qwen's: the
-  embedding has the real 151,936 rows, and the few ids the tokenizer knows are all it can decode (a random
-  model samples almost only ids above them, which decode to nothing and score 0);
+- a tokenizer of the embedded default's kind (`rlhf.embedded.train_tokenizer`: a byte-level BPE of at most
+  500 tokens with a ChatML template), not Qwen's: the embedding has the real 151,936 rows, and the few ids
+  the tokenizer knows are all it can decode (a random model samples almost only ids above them, which
+  decode to nothing and score 0);
 - GSM8K-schema rows (question, "... #### N" answer) whose chat-templated prompts are 100 to 300 tokens:
   GSM8K's questions are short word problems, and next to the 512-token responses the prompts' share of the
   memory is small (GSM8K itself cannot be tokenized here, offline, to match it exactly).
