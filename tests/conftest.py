@@ -22,3 +22,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes-long tests on a real model; run only when selected "
+                                       "with -m (python -m pytest -q -m slow)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` run only when a -m expression names them (`-m slow`); otherwise they are
+    deselected (reported as such, not skipped), so `python -m pytest -q` stays fast."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
