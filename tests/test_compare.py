@@ -29,9 +29,13 @@ def load_sweep() -> dict:
         return yaml.safe_load(f)
 
 
+DEFAULT_REGIME = compare.REGIMES[compare.GRIDS["ppo"].regime]
+
+
 def arm_config(arm: compare.Arm, *extra: str) -> Config:
-    base = load_config(TINY)
-    shared = compare.shared_overrides(compare.DEFAULT_STEPS, base.algorithm.kl_ctrl.kl_coef, None, "g")
+    """The config the default grid (ppo, its default regime) gives `arm`, as `python -m rlhf.compare` makes it."""
+    r = DEFAULT_REGIME
+    shared = compare.shared_overrides(r.steps, r.kl_coef, None, "g", r.overrides)
     return load_config(TINY, compare.run_overrides(arm, "outputs/kl_estimators", "outputs/cache", shared, list(extra)))
 
 
@@ -57,7 +61,8 @@ def test_each_run_puts_the_kl_in_one_place_with_one_coefficient_seed_and_length(
         if placement == "loss":
             assert cfg.actor.kl_loss_type == estimator
         assert cfg.algorithm.kl_ctrl.type == "fixed"
-        assert cfg.algorithm.kl_ctrl.kl_coef == cfg.actor.kl_loss_coef
+        assert cfg.algorithm.kl_ctrl.kl_coef == cfg.actor.kl_loss_coef == DEFAULT_REGIME.kl_coef
+        assert cfg.rollout.paired_noise  # same seed, same sampling noise: the differences are paired
         assert cfg.trainer.experiment_name == text
     assert len({c.trainer.seed for c in configs.values()}) == 1
     assert len({c.trainer.total_steps for c in configs.values()}) == 1
@@ -101,9 +106,10 @@ def test_extra_overrides_come_last_and_win():
 
 def test_help_lists_the_grid_steps_and_output_options():
     text = compare.build_parser().format_help()
-    for word in (*compare.DEFAULT_GRID, "--steps", f"default: {compare.DEFAULT_STEPS}", "--output-dir",
+    for word in (*compare.DEFAULT_GRID, "--steps", "default: the regime's", "--output-dir", "--regime",
+                 "separating (coefficient 0.1, 20 steps, actor.lr=2e-4)", "small (the config's coefficient, 20 steps)",
                  "--report-only", "--kl-coef", "--runs", "--offline", "--no-wandb", "--seeds", "seed<s>",
-                 "95% interval"):
+                 "95% interval", "paired", "rollout.paired_noise=true"):
         assert word in text, word
 
 
@@ -148,13 +154,16 @@ def test_every_sweep_parameter_is_a_real_config_key():
         load_config(TINY, ["trainer.experiment_nam=x"])
 
 
-def test_sweep_constants_match_the_runner_and_the_embedded_default():
-    sweep, base = load_sweep(), load_config(TINY)
-    params = sweep["parameters"]
-    assert params["trainer.total_steps"]["value"] == compare.DEFAULT_STEPS
-    assert params["algorithm.kl_ctrl.kl_coef"]["value"] == base.algorithm.kl_ctrl.kl_coef, (
-        "keep the sweep's coefficient equal to configs/tiny.yaml's algorithm.kl_ctrl.kl_coef (the runner's default)")
+def test_sweep_constants_match_the_runners_default_regime():
+    params = load_sweep()["parameters"]
+    assert params["trainer.total_steps"]["value"] == DEFAULT_REGIME.steps
+    assert params["algorithm.kl_ctrl.kl_coef"]["value"] == DEFAULT_REGIME.kl_coef, (
+        "keep the sweep's coefficient equal to the default regime's (rlhf/compare/grid.py, REGIMES)")
     assert params["actor.kl_loss_coef"]["value"] == params["algorithm.kl_ctrl.kl_coef"]["value"]
+    assert params["rollout.paired_noise"]["value"] is True
+    for override in DEFAULT_REGIME.overrides:  # e.g. actor.lr=2e-4
+        key, _, value = override.partition("=")
+        assert load_config(TINY, [f"{key}={params[key]['value']}"]) == load_config(TINY, [override]), key
 
 
 def agent_command(sweep: dict, point: dict, interpreter: str, program: str) -> list[str]:
@@ -221,7 +230,7 @@ STUB_TRAIN = textwrap.dedent("""
             if cfg["actor"]["use_kl_loss"] and cfg["actor"].get("kl_loss_type") == "k3" and step == 2:
                 sys.exit("boom: a crash in step 2")
             full = 0.01 * step
-            row = {"step": step, "kl/full": full, "kl/k1": full + 0.002, "kl/k2": full - 0.001, "kl/k3": full,
+            row = {"step": step, "kl/full": full, "kl/full_forward": 2 * full, "kl/k1": full + 0.002, "kl/k2": full - 0.001, "kl/k3": full,
                    "kl/abs": 3 * full, "critic/score/mean": 0.1 * step}
             if step == total:
                 row["val/accuracy"] = 0.5
@@ -271,8 +280,9 @@ def test_skip_done_keeps_finished_runs(stub_trainer, tmp_path):
 
 
 def table_rows(markdown: str) -> dict[str, dict[str, str]]:
-    """The report's table: {run cell: {header: cell}}."""
-    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    """The report's per-run table (the first table after `## Per run`, if there is such a heading):
+    {run cell: {header: cell}}."""
+    lines = [line for line in markdown.split("## Per run")[-1].splitlines() if line.startswith("|")]
     split = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
     head = split(lines[0])
     return {cells[0]: dict(zip(head, cells)) for cells in map(split, lines[2:])}
@@ -298,7 +308,8 @@ def test_report_numbers_from_metrics(stub_trainer, tmp_path):
     # steps 1..4: kl/full = 0.01 * step, k1 = full + 0.002, k2 = full - 0.001, k3 = full, abs = 3 * full;
     # one seed, so every number comes without an interval
     assert [row["seeds"], row["steps"]] == ["1", "4"]
-    assert row["final exact KL (mean ± 95% CI)"] == "0.0400 (n=1)"
+    assert row["exact KL, last 5 steps (mean ± 95% CI)"] == "0.0250 (n=1)"  # the 4 steps' mean: fewer than 5
+    assert row["forward KL, last 5 steps (mean ± 95% CI)"] == "0.0500 (n=1)"
     assert row["final val/accuracy (mean ± 95% CI)"] == "0.500 (n=1)"
     assert row["mean reward (mean ± 95% CI)"] == "0.250 (n=1)"
     bias = [interval(row[f"{e} bias (mean ± 95% CI)"]) for e in ("k1", "k2", "k3", "abs")]
@@ -424,21 +435,38 @@ def test_estimate_mean_interval_and_resolution_by_hand():
     one = compare.Estimate((0.5,))
     assert (one.mean, one.sd, one.half_width) == (0.5, None, None)
     assert math.isnan(compare.Estimate(()).mean)
-    # No interval, nothing resolved or sized; exact values (sd 0) that differ are resolved.
-    assert not compare.resolved(one, e) and compare.seeds_to_resolve(one, e) is None
-    assert compare.resolved(compare.Estimate((1.0, 1.0)), compare.Estimate((2.0, 2.0)))
-    # Two seeds each, sd sqrt(2), so half-widths 12.706 * sqrt(2) / sqrt(2) = 12.706: resolved only when
-    # |difference| > 25.412, the sum of both (not one half-width, not the sds).
-    low, shifted = compare.Estimate((0.0, 2.0)), lambda d: compare.Estimate((d, d + 2.0))
-    assert not compare.resolved(low, shifted(20.0))
-    assert not compare.resolved(low, shifted(25.4)) and not compare.resolved(shifted(25.4), low)
-    assert compare.resolved(low, shifted(25.5)) and compare.resolved(shifted(-25.5), low)
-    # |difference| 2 vs half-widths 12.706 * 1 / sqrt(2) each: unresolved; needs t(n-1) * 2 / sqrt(n) < 2,
-    # i.e. sqrt(n) > t(n-1): n = 5 (sqrt 5 = 2.236 < 2.776), n = 6 (2.449 < 2.571), n = 7 (2.646 > 2.447).
-    a, b = compare.Estimate((0.0, 1.0 * math.sqrt(2))), compare.Estimate((2.0, 2.0 + math.sqrt(2)))
-    assert a.sd == pytest.approx(1.0) and b.sd == pytest.approx(1.0)
-    assert not compare.resolved(a, b) and compare.seeds_to_resolve(a, b) == 7
-    assert compare.seeds_to_resolve(a, a) is None  # equal means: no number of seeds resolves them
+
+
+def test_paired_differences_by_hand():
+    # Seeds 1-3 in both, seed 4 only in the reference: it is left out. The runs' own spread over seeds is
+    # large (sd 1 and 0.976: per-run half-widths ~2.4), the per-seed differences' small: 0.2, 0.2, 0.25.
+    run = {1: 1.0, 2: 2.0, 3: 3.0}
+    reference = {1: 0.8, 2: 1.8, 3: 2.75, 4: 9.0}
+    d = compare.paired_differences(run, reference)
+    assert d.values == pytest.approx((0.2, 0.2, 0.25))
+    assert d.mean == pytest.approx(0.65 / 3) and d.sd == pytest.approx(0.05 / math.sqrt(3))
+    assert d.half_width == pytest.approx(4.303 * (0.05 / math.sqrt(3)) / math.sqrt(3))  # 0.0717
+    assert compare.excludes_zero(d)  # 0.2167 > 0.0717: resolved, paired
+    # The same numbers unpaired: the runs' intervals overlap by far (each ~2.4 wide on either side).
+    a, b = compare.Estimate(tuple(run.values())), compare.Estimate(tuple(reference[s] for s in run))
+    assert a.half_width + b.half_width > 4.5 > abs(a.mean - b.mean)
+    assert compare.paired_differences({1: 1.0}, {2: 1.0}).n == 0  # no common seed, no difference
+
+
+def test_paired_resolution_and_seeds_needed_by_hand():
+    # Differences 0, 1, 2: mean 1, sd 1, half-width 4.303 / sqrt(3) = 2.484: 0 is inside. With n seeds the
+    # half-width is t(n-1) / sqrt(n): n = 6 gives 2.571 / 2.449 = 1.050 (> 1), n = 7 gives 2.447 / 2.646 =
+    # 0.925 (< 1), so 7.
+    d = compare.Estimate((0.0, 1.0, 2.0))
+    assert not compare.excludes_zero(d) and compare.seeds_needed(d) == 7
+    assert not compare.excludes_zero(compare.Estimate((-0.5, 0.5)))  # mean 0 inside any interval
+    assert compare.seeds_needed(compare.Estimate((-0.5, 0.5))) is None  # a mean of 0 never resolves
+    assert compare.excludes_zero(compare.Estimate((-0.3, -0.3)))  # sd 0: every seed the same difference
+    assert not compare.excludes_zero(compare.Estimate((0.0, 0.0)))  # identical runs: no difference
+    one = compare.Estimate((0.5,))
+    assert not compare.excludes_zero(one) and compare.seeds_needed(one) is None  # one seed: no spread
+    # A tiny mean next to its spread: more than MAX_SEEDS_ESTIMATE seeds.
+    assert compare.seeds_needed(compare.Estimate((-1.0, 1.0001))) == compare.MAX_SEEDS_ESTIMATE + 1
 
 
 def write_run(directory, seed: int, rows: list[dict], total_steps: int = 2, **kl) -> None:
@@ -472,15 +500,16 @@ def synthetic(tmp_path):
 
     Per seed   final kl/full     final val/accuracy  k1 bias (both steps)  mean reward
     no-kl      0.10 0.12 0.14    0.50 0.52 0.54      0.001 0.002 0.003     0.2 (every seed)
-    reward:k1  0.02 0.03 0.04    0.47 0.49 0.51      0.004 0.004 0.004     0.2
+    reward:k1  0.02 0.03 0.04    0.47 0.52 0.48      0.004 0.004 0.004     0.2
     loss:k3+   0.06              0.60                0.0                   0.2
+    (kl/full is 0.05 at step 1 in every run.)
     """
     out = tmp_path / "grid"
     reward = dict(algorithm__use_kl_in_reward=True, algorithm__kl_penalty="k1")
     for i, seed in enumerate((1, 2, 3)):
         write_run(out / "no-kl" / f"seed{seed}", seed,
                   synthetic_rows(0.10 + 0.02 * i, 0.50 + 0.02 * i, 0.001 * (i + 1)))
-        write_run(out / "reward-k1" / f"seed{seed}", seed, synthetic_rows(0.02 + 0.01 * i, 0.47 + 0.02 * i, 0.004),
+        write_run(out / "reward-k1" / f"seed{seed}", seed, synthetic_rows(0.02 + 0.01 * i, (0.47, 0.52, 0.48)[i], 0.004),
                   **reward)
     write_run(out / "loss-k3+", 1, synthetic_rows(0.06, 0.60, 0.0), actor__use_kl_loss=True, actor__kl_loss_type="k3+")
     return out
@@ -508,24 +537,28 @@ def test_report_table_over_seeds_marks_resolved_differences(synthetic):
     no_kl, k1, k3 = rows.values()
     assert [no_kl["seeds"], k1["seeds"], k3["seeds"]] == ["3", "3", "1"]
     hw = lambda sd, n=3, t=4.303: t * sd / math.sqrt(n)
-    cases = [(no_kl, "final exact KL", 0.12, hw(0.02)), (k1, "final exact KL", 0.03, hw(0.01)),
-             (no_kl, "final val/accuracy", 0.52, hw(0.02)), (k1, "final val/accuracy", 0.49, hw(0.02)),
+    kl = "exact KL, last 5 steps"  # each seed's mean over its (two) steps: 0.05 and the final kl/full
+    cases = [(no_kl, kl, 0.085, hw(0.01)), (k1, kl, 0.04, hw(0.005)),
+             (no_kl, "final val/accuracy", 0.52, hw(0.02)), (k1, "final val/accuracy", 0.49, hw(math.sqrt(0.0007))),
              (no_kl, "k1 bias", 0.002, hw(0.001)), (k1, "k1 bias", 0.004, 0.0), (no_kl, "mean reward", 0.2, 0.0)]
     for row, column, mean, half in cases:
         got_mean, got_half = interval(row[f"{column} (mean ± 95% CI)"])
-        places = 1e-4 if column == "final exact KL" else 1e-3 if "bias" not in column else 0.051 * max(abs(mean), half)
+        places = 1e-4 if column == kl else 1e-3 if "bias" not in column else 0.051 * max(abs(mean), half)
         assert got_mean == pytest.approx(mean, abs=places), (column, row["run"])
         assert got_half == pytest.approx(half, abs=places), (column, row["run"])
-    # KL: |-0.09| > 0.0497 + 0.0248: resolved. Accuracy: |-0.03| < 0.0497 + 0.0497: not; with the observed
-    # sds (0.02 each) it needs t(n-1) * 0.04 / sqrt(n) < 0.03: n = 9 gives 2.306 * 0.04 / 3 = 0.0307, n = 10
-    # gives 2.262 * 0.04 / 3.162 = 0.0286. Reward: equal means.
-    assert k1["Δ final exact KL vs no KL"] == "-0.0900 resolved"
-    assert k1["Δ final val/accuracy vs no KL"] == "-0.030 unresolved (~10 seeds)"
-    assert k1["Δ mean reward vs no KL"] == "+0.000 unresolved (equal means)"
-    assert no_kl["Δ final exact KL vs no KL"] == "reference"
-    assert k3["final exact KL (mean ± 95% CI)"] == "0.0600 (n=1)"  # one seed: no interval, said so
-    assert k3["Δ final exact KL vs no KL"] == "-0.0600 unresolved (n=1)"
-    assert "intervals do not overlap" in text and "rough estimate" in text and "`(n=1)`: one seed, no interval" in text
+    # Paired, seed by seed. KL: -0.040, -0.045, -0.050: mean -0.045, sd 0.005, half-width 4.303 * 0.005 /
+    # sqrt(3) = 0.0124: resolved. Accuracy: -0.03, 0.00, -0.06: mean -0.03, sd 0.03, half-width 0.0745: not;
+    # it needs t(n-1) * 0.03 / sqrt(n) < 0.03, n = 7 (2.447 / 2.646; n = 6 gives 2.571 / 2.449 > 1).
+    # Reward: 0 for every seed. No forward KL logged: n/a.
+    assert k1[f"Δ {kl} vs no KL (paired)"] == "-0.0450 ± 0.0124 resolved"
+    assert k1["Δ final val/accuracy vs no KL (paired)"] == "-0.030 ± 0.075 not resolved (~7 seeds)"
+    assert k1["Δ mean reward vs no KL (paired)"] == "+0.000 ± 0.000 not resolved (no difference)"
+    assert k1["Δ forward KL, last 5 steps vs no KL (paired)"] == "n/a"
+    assert no_kl[f"Δ {kl} vs no KL (paired)"] == "reference"
+    assert k3[f"{kl} (mean ± 95% CI)"] == "0.0550 (n=1)"  # one seed: no interval, said so
+    # loss:k3+ has seed 1 only: its one paired difference, (0.05 + 0.06) / 2 - 0.075, has no interval.
+    assert k3[f"Δ {kl} vs no KL (paired)"] == "-0.0200 (n=1) not resolved (1 seed: no interval)"
+    assert "**paired** difference" in text and "`(n=1)`: one seed, no interval" in text
     assert "seeds 1, 2, 3" in text
     assert (synthetic / "kl_estimators.png").stat().st_size > 20_000
 
@@ -571,3 +604,124 @@ def test_runner_drives_train_py_end_to_end(tmp_path, monkeypatch):
     assert "actor/kl_loss" in rows[1]  # the loss run really had the KL loss on
     table = (out / "kl_estimators.md").read_text()
     assert "| no KL | 1 | 1 |" in table and "| KL in loss: k3+ | 1 | 1 |" in table  # seeds, steps
+
+
+# ----------------------------------------------------------------------------- the claims
+
+
+# Per seed (1, 2, 3), the level of kl/full over the last 5 steps; forward KL where the crossover needs it.
+CLAIM_LEVELS = {
+    "no-kl": (1.0, 1.5, 2.0),
+    "loss:k2": (0.2, 0.6, 1.1), "loss:k3+": (0.2, 0.6, 1.1),  # the same run: identical rows
+    "loss:full": (0.3, 0.7, 1.2), "loss:k3": (0.4, 0.9, 1.3),
+    "loss:k1": (1.05, 1.45, 2.1), "reward:k1": (0.5, 1.4, 1.6), "reward:k3": (1.2, 1.8, 2.3),
+}
+CLAIM_FORWARD = {"loss:k3": (0.5, 1.0, 1.5), "loss:k3+": (0.6, 1.2, 1.6), "loss:k2": (0.6, 1.2, 1.6)}
+
+
+def claim_rows(level: float, forward: float) -> list[dict]:
+    """Steps 1-6: step 1 far off (9.0, outside the last 5 steps), steps 2-6 `level` (resp. `forward`) plus
+    -0.02, -0.01, 0, 0.01, 0.02, so the mean of the last 5 steps is `level`."""
+    rows = [{"step": 1, "kl/full": 9.0, "kl/full_forward": 9.0, "actor/kl_loss": 0.5, "timing_s/step": 1.0}]
+    for step, offset in zip(range(2, 7), (-0.02, -0.01, 0.0, 0.01, 0.02)):
+        rows.append({"step": step, "kl/full": level + offset, "kl/full_forward": forward + offset,
+                     "critic/score/mean": 0.3, "actor/kl_loss": 0.1 * step, "timing_s/step": 1.0 + step})
+    return rows
+
+
+@pytest.fixture
+def claim_grid(tmp_path):
+    """The default grid's runs but reward:full, seeds 1-3, with the levels of CLAIM_LEVELS; k2 and k3+ in the
+    loss log the same rows but for actor/kl_loss and the clocks."""
+    out = tmp_path / "claims"
+    for label, levels in CLAIM_LEVELS.items():
+        placement, estimator = compare.parse_kl_tag(label)
+        kl = {"none": {}, "reward": dict(algorithm__use_kl_in_reward=True, algorithm__kl_penalty=estimator),
+              "loss": dict(actor__use_kl_loss=True, actor__kl_loss_type=estimator)}[placement]
+        for i, seed in enumerate((1, 2, 3)):
+            forward = CLAIM_FORWARD.get(label, levels)[i]
+            rows = claim_rows(levels[i], forward)
+            if label == "loss:k3+":  # k3's value in the KL loss, other clocks: both left out of (e)
+                rows = [dict(r, **{"actor/kl_loss": 2 * r["actor/kl_loss"], "timing_s/step": 7.0}) for r in rows]
+            write_run(out / compare.Arm.parse(label).dirname / f"seed{seed}", seed, rows, total_steps=6, **kl)
+    return out
+
+
+def test_claims_by_hand(claim_grid):
+    groups = compare.group_runs(compare.load_runs(str(claim_grid)))
+    results = compare.claims(groups)
+    got = [(c.name, c.measure, c.effect, c.verdict) for c in results]
+    # (e): per seed, step 0 (step, val/accuracy), step 1 (step and the two KLs; actor/kl_loss and the clock
+    # left out), steps 2-6 (step, the two KLs, the score): 2 + 3 + 5 * 4 = 25 values, 75 in all.
+    # Paired differences over seeds 1-3 (3 seeds: t = 4.303, half-width 4.303 * sd / sqrt(3)):
+    #  k2 − no KL: -0.8, -0.9, -0.9: mean -0.867, sd 0.0577, half-width 0.143: resolved; full: -0.7, -0.8,
+    #  -0.8 likewise; k3: -0.6, -0.6, -0.7: -0.633 ± 0.143.
+    #  k1 in the loss − no KL: +0.05, -0.05, +0.1: +0.033 ± 0.190 (5% of k3's -0.633, the smallest of (a));
+    #  k1 − k3 = 0.65, 0.55, 0.8, − full and − k2 larger still: each interval above 0: resolved.
+    #  reward:k1 − no KL: -0.5, -0.1, -0.4: mean -0.333, sd 0.208, half-width 0.517: not resolved; with n
+    #  seeds it needs t(n-1) / sqrt(n) < 0.333 / 0.208 = 1.601: n = 4 (3.182 / 2 = 1.591).
+    #  reward:k3 − reward:k1: 0.7, 0.4, 0.7: +0.600 ± 0.430; − no KL: 0.2, 0.3, 0.3: +0.267 ± 0.143.
+    #  crossover, forward: k3 − k3+ = -0.1, -0.2, -0.1: -0.133 ± 0.143, not resolved, n = 4 (t(3) / 2 =
+    #  1.591 < 0.133 / 0.0577 = 2.309; n = 3 gives 2.484); reverse: k3+ − k3 = -0.2, -0.3, -0.2: resolved.
+    assert got == [
+        ("(a)", "kl/full: loss:k2 − no-kl", "-0.867 ± 0.143 (3 seeds)", "resolved"),
+        ("(a)", "kl/full: loss:k3+ − no-kl", "-0.867 ± 0.143 (3 seeds)", "resolved"),
+        ("(a)", "kl/full: loss:full − no-kl", "-0.767 ± 0.143 (3 seeds)", "resolved"),
+        ("(a)", "kl/full: loss:k3 − no-kl", "-0.633 ± 0.143 (3 seeds)", "resolved"),
+        ("(b)", "kl/full: loss:k1 − no-kl; and loss:k1 − each of (a)",
+         "+0.033 ± 0.190 (3 seeds); 5% of (a)'s smallest (loss:k3: -0.633)", "resolved"),
+        ("(c)", "kl/full: reward:k1 − no-kl", "-0.333 ± 0.517 (3 seeds)", "not resolved (~4 seeds)"),
+        ("(d)", "kl/full: reward:k3 − reward:k1", "+0.600 ± 0.430 (3 seeds)", "measured: higher"),
+        ("(d)", "kl/full: reward:k3 − no-kl", "+0.267 ± 0.143 (3 seeds)", "measured: higher"),
+        ("(e)", "every logged number of loss:k2 and loss:k3+, step by step, seed by seed",
+         "75 values equal (3 seeds × 7 logged steps)", "resolved"),
+        ("crossover", "kl/full_forward: loss:k3 − loss:k3+", "-0.133 ± 0.143 (3 seeds)", "not resolved (~4 seeds)"),
+        ("crossover", "kl/full: loss:k3+ − loss:k3", "-0.233 ± 0.143 (3 seeds)", "resolved"),
+    ]
+    (b,) = [c for c in results if c.name == "(b)"]
+    assert b.difference.values == pytest.approx((0.05, -0.05, 0.1))
+
+
+def test_claims_contradicted_missing_and_not_identical(claim_grid):
+    # loss:full now ends above no KL in every seed: (a) for it is contradicted, and (b) too (k1 in the loss
+    # ends below it).
+    for i, seed in enumerate((1, 2, 3)):
+        level = CLAIM_LEVELS["no-kl"][i] + 0.3
+        write_run(claim_grid / "loss-full" / f"seed{seed}", seed, claim_rows(level, level), total_steps=6,
+                  actor__use_kl_loss=True, actor__kl_loss_type="full")
+    # One number of k3+ at one step differs from k2's: (e) is contradicted, naming it.
+    path = claim_grid / "loss-k3+" / "seed2" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[3]["critic/score/mean"] = 0.31
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shutil.rmtree(claim_grid / "reward-k3")
+    results = {(c.name, c.measure): c for c in compare.claims(compare.group_runs(compare.load_runs(str(claim_grid))))}
+    assert results[("(a)", "kl/full: loss:full − no-kl")].verdict == "contradicted"
+    assert results[("(b)", "kl/full: loss:k1 − no-kl; and loss:k1 − each of (a)")].verdict == "contradicted"
+    (e,) = [c for (name, _), c in results.items() if name == "(e)"]
+    assert (e.verdict, e.effect) == ("contradicted", "seed 2, step 3: critic/score/mean 0.3 against 0.31")
+    assert results[("(d)", "kl/full: reward:k3 − no-kl")].verdict == "not measured (no reward:k3 run)"
+
+
+def test_claims_need_the_forward_kl_logged(synthetic):
+    # The synthetic runs log no kl/full_forward; there is no loss:k3 either.
+    results = compare.claims(compare.group_runs(compare.load_runs(str(synthetic))))
+    crossover = [c.verdict for c in results if c.name == "crossover"]
+    assert crossover == ["not measured (no loss:k3 run)"] * 2
+    assert [c.verdict for c in results if c.name == "(c)"] == ["resolved"]  # reward:k1 vs no KL: paired
+
+
+def test_report_opens_with_the_claims_table(claim_grid):
+    png, md = compare.write_report(str(claim_grid))
+    text = open(md).read()
+    lines = text.splitlines()
+    assert lines[2] == "## Claims" and lines[4].startswith("| claim |")
+    assert text.index("## Claims") < text.index("## Per run") < text.index("![KL estimators]")
+    assert "| (a) k2 in the loss holds the exact KL below no KL | kl/full: loss:k2 − no-kl | " \
+           "-0.867 ± 0.143 (3 seeds) | **resolved** |" in text
+    assert "| (c) k1 in the reward holds the exact KL below no KL | kl/full: reward:k1 − no-kl | " \
+           "-0.333 ± 0.517 (3 seeds) | **not resolved (~4 seeds)** |" in text
+    rows = table_rows(text)
+    assert rows["KL in loss: k3"]["Δ exact KL, last 5 steps vs no KL (paired)"] == "-0.6333 ± 0.1434 resolved"
+    assert rows["KL in loss: k3"]["Δ forward KL, last 5 steps vs no KL (paired)"] == "-0.5000 ± 0.0000 resolved"
+    assert os.path.getsize(png) > 50_000

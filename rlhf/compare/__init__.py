@@ -2,6 +2,7 @@
 
     python -m rlhf.compare                                     # the default grid on configs/tiny.yaml, one seed
     python -m rlhf.compare --seeds 3                           # each run with seeds S, S+1, S+2 (S: --seed)
+    python -m rlhf.compare --seeds 3 --regime small            # coefficient 0.01 at the config's learning rate
     python -m rlhf.compare --runs no-kl reward:k1 loss:k3+ --steps 3
     python -m rlhf.compare --report-only outputs/kl_estimators # redraw the report from runs on disk
     wandb sweep configs/sweeps/kl_estimators.yaml              # the grid (one seed) through W&B, then `wandb agent`
@@ -11,30 +12,36 @@ A run is named like the trainer's wandb tag: `reward:<estimator>` (KL in the rew
 
 The modules, in the order a comparison uses them:
     labels   a run's label <-> the trainer overrides of its KL (also train.py's wandb tags)
-    grid     the grids, each run's overrides and directory (one seed or several), the runner
+    grid     the grids and regimes, each run's overrides and directory (one seed or several), the runner
     runs     the runs read back from their metrics.jsonl and config.yaml, grouped by label over seeds
-    stats    a mean over seeds, its 95% Student t interval, when two differ
-    report   the figure and the table, <output-dir>/kl_estimators.{png,md}
+    stats    a mean over seeds and its 95% Student t interval; paired differences, when they resolve
+    claims   what training can show of docs/kl.md's claims, each judged on a paired difference
+    figure   the report's figure, <output-dir>/kl_estimators.png
+    report   the claims table and the per-run table, <output-dir>/kl_estimators.md, and the figure
     cli      the command line (`python -m rlhf.compare --help`)
 The names below are theirs, re-exported: `from rlhf import compare; compare.main([...])`.
 """
 
+from rlhf.compare.claims import LAST_STEPS, Claim, claims, claims_table
 from rlhf.compare.cli import build_parser, main
-from rlhf.compare.grid import (DEFAULT_CONFIG, DEFAULT_GRID, DEFAULT_STEPS, GRIDS, GRPO_GRID, Arm, grid_jobs,
-                               last_step, run_dir, run_grid, run_key, run_overrides, seed_list, shared_overrides)
-from rlhf.compare.labels import PLACEMENTS, kl_overrides, kl_tags, parse_kl_tag, run_label
-from rlhf.compare.report import (OUTCOMES, REFERENCE, REPORT_NAME, difference_cell, interval_cell, legend_name,
-                                 mean_curve, plot_report, report_table, write_report)
+from rlhf.compare.figure import mean_curve, paired_curve, plot_report
+from rlhf.compare.grid import (DEFAULT_CONFIG, DEFAULT_GRID, GRIDS, GRPO_GRID, PAIRED_NOISE, REGIMES, Arm, Grid,
+                               Regime, grid_jobs, last_step, run_dir, run_grid, run_key, run_overrides, seed_list,
+                               shared_overrides)
+from rlhf.compare.labels import PLACEMENTS, kl_overrides, kl_tags, legend_name, parse_kl_tag, run_label
+from rlhf.compare.report import OUTCOMES, REPORT_NAME, difference_cell, interval_cell, report_table, write_report
 from rlhf.compare.runs import Group, Run, duplicate_seeds, group_runs, load_runs
-from rlhf.compare.stats import MAX_SEEDS_ESTIMATE, T95, Estimate, resolved, seeds_to_resolve, t95
+from rlhf.compare.stats import (MAX_SEEDS_ESTIMATE, T95, Estimate, excludes_zero, paired_differences, seeds_needed,
+                                t95)
 
 __all__ = [
+    "LAST_STEPS", "Claim", "claims", "claims_table",
     "build_parser", "main",
-    "DEFAULT_CONFIG", "DEFAULT_GRID", "DEFAULT_STEPS", "GRIDS", "GRPO_GRID", "Arm",
+    "mean_curve", "paired_curve", "plot_report",
+    "DEFAULT_CONFIG", "DEFAULT_GRID", "GRIDS", "GRPO_GRID", "PAIRED_NOISE", "REGIMES", "Arm", "Grid", "Regime",
     "grid_jobs", "last_step", "run_dir", "run_grid", "run_key", "run_overrides", "seed_list", "shared_overrides",
-    "PLACEMENTS", "kl_overrides", "kl_tags", "parse_kl_tag", "run_label",
-    "OUTCOMES", "REFERENCE", "REPORT_NAME", "difference_cell", "interval_cell", "legend_name", "mean_curve",
-    "plot_report", "report_table", "write_report",
+    "PLACEMENTS", "kl_overrides", "kl_tags", "legend_name", "parse_kl_tag", "run_label",
+    "OUTCOMES", "REPORT_NAME", "difference_cell", "interval_cell", "report_table", "write_report",
     "Group", "Run", "duplicate_seeds", "group_runs", "load_runs",
-    "MAX_SEEDS_ESTIMATE", "T95", "Estimate", "resolved", "seeds_to_resolve", "t95",
+    "MAX_SEEDS_ESTIMATE", "T95", "Estimate", "excludes_zero", "paired_differences", "seeds_needed", "t95",
 ]

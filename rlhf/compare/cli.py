@@ -12,10 +12,19 @@ import os
 import sys
 import time
 
-from rlhf.compare.grid import (DEFAULT_GRID, DEFAULT_STEPS, GRIDS, GRPO_GRID, Arm, grid_jobs, run_grid,
-                               run_overrides, seed_list, shared_overrides)
+from rlhf.compare.grid import (DEFAULT_GRID, GRIDS, GRPO_GRID, REGIMES, Arm, grid_jobs, run_grid, run_overrides,
+                               seed_list, shared_overrides)
 from rlhf.compare.report import write_report
 from rlhf.config import ConfigError, load_config
+
+
+def _regimes_text() -> str:
+    """`separating (coefficient 0.1, 20 steps, actor.lr=2e-4), small (...)` for --help."""
+    parts = []
+    for name, regime in REGIMES.items():
+        coef = "the config's coefficient" if regime.kl_coef is None else f"coefficient {regime.kl_coef}"
+        parts.append(f"{name} ({', '.join([coef, f'{regime.steps} steps', *regime.overrides])})")
+    return "; ".join(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,9 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"grid ppo, the default ({len(DEFAULT_GRID)} runs, configs/tiny.yaml): {' '.join(DEFAULT_GRID)}\n"
                f"grid grpo ({len(GRPO_GRID)} runs, configs/tiny_grpo.yaml): {' '.join(GRPO_GRID)}\n"
                "estimators: any of train.py's (k1/kl, k2/mse, k3/low_var_kl, abs, X+, full).\n"
-               "report: per run, the mean over seeds with its 95% interval (Student t) of the final exact KL,\n"
-               "the final val/accuracy, the mean reward and each estimator's bias; differences to no-kl are\n"
-               "marked resolved when the 95% intervals do not overlap (see kl_estimators.md).",
+               f"regimes: {_regimes_text()}\n"
+               "every run: rollout.paired_noise=true (same seed -> same sampling noise: paired runs).\n"
+               "report: the claims first (each a paired difference over seeds with its 95% interval, and the\n"
+               "verdict), then per run the mean over seeds with its 95% interval (Student t) of the exact and\n"
+               "forward KL, the final val/accuracy, the mean reward and each estimator's bias; differences to\n"
+               "no-kl are paired (per seed, then over seeds) and resolved when that interval excludes 0\n"
+               "(see kl_estimators.md).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     grid = parser.add_argument_group("the grid")
     grid.add_argument("--grid", choices=GRIDS, default="ppo",
@@ -37,11 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="runs to make, each reward:<estimator>, loss:<estimator>, loss-corrected:<estimator> "
                            "or no-kl (default: the grid's, below)")
     grid.add_argument("--config", default=None, help="base config (default: the grid's)")
-    grid.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                      help="PPO steps per run, trainer.total_steps (default: %(default)s)")
+    grid.add_argument("--regime", choices=REGIMES, default=None,
+                      help="how far the runs move from pi_ref: the coefficient, steps and overrides below "
+                           "(default: the grid's, separating for ppo, small for grpo)")
+    grid.add_argument("--steps", type=int, default=None,
+                      help="PPO steps per run, trainer.total_steps (default: the regime's)")
     grid.add_argument("--kl-coef", type=float, default=None,
                       help="the one KL coefficient, used for algorithm.kl_ctrl.kl_coef and actor.kl_loss_coef "
-                           "(default: the config's algorithm.kl_ctrl.kl_coef)")
+                           "(default: the regime's, else the config's algorithm.kl_ctrl.kl_coef)")
     grid.add_argument("--seed", type=int, default=None,
                       help="trainer.seed of every run, the first one with --seeds (default: the config's)")
     grid.add_argument("--seeds", type=int, default=1, metavar="N",
@@ -70,10 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m rlhf.compare` with `argv` (None: sys.argv[1:]). Returns the exit code: 0, 1 if a run
     failed (the others and the report still made), 2 for a bad run name, seed count or config."""
     args = build_parser().parse_args(argv)
-    grid_runs, grid_config, grid_output_dir = GRIDS[args.grid]
-    args.runs = list(grid_runs) if args.runs is None else args.runs
-    args.config = args.config or grid_config
-    args.output_dir = args.output_dir or grid_output_dir
+    grid = GRIDS[args.grid]
+    args.runs = list(grid.runs) if args.runs is None else args.runs
+    args.config = args.config or grid.config
+    args.output_dir = args.output_dir or grid.output_dir
+    regime = REGIMES[args.regime or grid.regime]
+    args.steps = regime.steps if args.steps is None else args.steps
     if args.report_only:
         png, md = write_report(args.report_only)
         print(f"report: {png}\n        {md}")
@@ -88,12 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    kl_coef = base.algorithm.kl_ctrl.kl_coef if args.kl_coef is None else args.kl_coef
+    kl_coef = args.kl_coef if args.kl_coef is not None else (
+        regime.kl_coef if regime.kl_coef is not None else base.algorithm.kl_ctrl.kl_coef)
     group = args.group or f"kl-estimators-{time.strftime('%Y%m%d-%H%M%S')}"
     output_dir = os.path.abspath(args.output_dir)
     cache_dir = os.path.abspath(args.cache_dir or base.trainer.cache_dir or os.path.join(output_dir, "cache"))
     config = os.path.abspath(args.config)
-    shared = shared_overrides(args.steps, kl_coef, args.seed, group)
+    shared = shared_overrides(args.steps, kl_coef, args.seed, group, regime.overrides)
     extra = list(args.overrides) + (["trainer.logger=none"] if args.no_wandb else [])
     try:  # every run's config is checked before the first one starts
         for arm, seed in grid_jobs(arms, seeds):
@@ -104,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, **({"WANDB_MODE": "offline"} if args.offline else {}))
     layout = "<run>/" if len(seeds) == 1 else "<run>/seed<s>/"
     print(f"{len(arms)} runs x {args.steps} steps x {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), "
-          f"KL coefficient {kl_coef}, wandb group {group}\n"
+          f"regime {args.regime or grid.regime} (KL coefficient {kl_coef}{''.join(' ' + o for o in regime.overrides)}), "
+          f"wandb group {group}\n"
           f"runs in {output_dir}/{layout}, embedded cache in {cache_dir}", flush=True)
     start = time.perf_counter()
     os.makedirs(output_dir, exist_ok=True)

@@ -1,7 +1,8 @@
 """The grid of a comparison: its runs (Arm), the overrides and directory of each, and the runner.
 
-Every run gets the same seeds, the same number of steps and the same KL coefficient
-(`algorithm.kl_ctrl.kl_coef` and `actor.kl_loss_coef`, with a fixed controller). `--seeds N` gives each run
+Every run gets the same seeds, the same number of steps, the same KL coefficient (`algorithm.kl_ctrl.kl_coef`
+and `actor.kl_loss_coef`, with a fixed controller), the same regime (Regime: how far the runs move from
+pi_ref) and paired sampling noise (`rollout.paired_noise`). `--seeds N` gives each run
 the seeds S, S+1, ..., S+N-1 (S: `--seed`, else the config's `trainer.seed`). With one seed (the default) a
 run writes to `<output-dir>/<run>/` (train.py's output_dir); with N > 1, seed s of a run writes to
 `<output-dir>/<run>/seed<s>/`, and the grid goes seed by seed (every run with the first seed, then every run
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from rlhf.compare.labels import kl_overrides, parse_kl_tag, run_label
 from rlhf.config import load_config
@@ -34,14 +36,42 @@ DEFAULT_GRID = ("no-kl", "reward:k1", "reward:k3", "reward:full",
                 "loss:k1", "loss:k2", "loss:k3", "loss:k3+", "loss:full")
 # `--grid grpo`: the same estimators under GRPO (configs/tiny_grpo.yaml), where the KL goes in the loss.
 GRPO_GRID = ("no-kl", "loss:k1", "loss:k3", "loss:k3+", "loss:k2", "loss:full")
-GRIDS = {"ppo": (DEFAULT_GRID, DEFAULT_CONFIG, "outputs/kl_estimators"),
-         "grpo": (GRPO_GRID, os.path.join(REPO_ROOT, "configs", "tiny_grpo.yaml"), "outputs/kl_estimators_grpo")}
-# Steps per run: chosen so that the default grid (one seed, 9 runs), building the embedded warm start
-# included, finishes well within 30 minutes on a 2-core CPU machine. A run costs its PPO steps of
-# configs/tiny.yaml plus starting a process and two greedy evaluations; `--seeds N` multiplies the grid's
-# part by N. Re-time it (`time python -m rlhf.compare --offline`) when configs/tiny.yaml or the trainer
-# changes; configs/sweeps/kl_estimators.yaml uses the same number (a test checks).
-DEFAULT_STEPS = 20
+
+
+@dataclass(frozen=True)
+class Regime:
+    """How far a comparison's runs move from pi_ref: the one KL coefficient (None: the config's
+    algorithm.kl_ctrl.kl_coef), the PPO steps per run and the trainer overrides every run gets."""
+
+    kl_coef: float | None
+    steps: int
+    overrides: tuple[str, ...] = ()
+
+
+# `separating`, the ppo grid's default: a learning rate 4x configs/tiny.yaml's, so that without a KL the
+# policy moves far from pi_ref within the run, and a coefficient 10x its, so that a KL gradient holds it
+# back by a margin three paired seeds resolve (docs/results.md, "Comparing the estimators", has the pilots
+# it was chosen from and its timing: 9 runs x 3 seeds in about 45 minutes on 2 quiet cores).
+# `small`: the configs' own learning rate and coefficient (0.01 in configs/tiny.yaml), 20 steps: the
+# policy stays so close to pi_ref that no placement's effect resolves; the grpo grid's default.
+REGIMES = {"separating": Regime(0.1, 20, ("actor.lr=2e-4",)), "small": Regime(None, 20)}
+# Every run samples with common random numbers: same seed, same step -> same sampling noise, so runs with
+# the same seed differ only where their policies do, and differences between them are paired.
+PAIRED_NOISE = "rollout.paired_noise=true"
+
+
+class Grid(NamedTuple):
+    """A named grid of `--grid`: its runs, base config, default output directory and default regime."""
+
+    runs: tuple[str, ...]
+    config: str
+    output_dir: str
+    regime: str
+
+
+GRIDS = {"ppo": Grid(DEFAULT_GRID, DEFAULT_CONFIG, "outputs/kl_estimators", "separating"),
+         "grpo": Grid(GRPO_GRID, os.path.join(REPO_ROOT, "configs", "tiny_grpo.yaml"), "outputs/kl_estimators_grpo",
+                      "small")}
 
 
 @dataclass(frozen=True)
@@ -71,11 +101,12 @@ class Arm:
         return kl_overrides(self.placement, self.estimator)
 
 
-def shared_overrides(steps: int | None, kl_coef: float, seed: int | None, group: str) -> list[str]:
-    """What every run of a comparison has in common: the coefficient in both places (fixed), steps and, with
-    one seed, the seed (None: the config's)."""
+def shared_overrides(steps: int | None, kl_coef: float, seed: int | None, group: str,
+                     regime: tuple[str, ...] = ()) -> list[str]:
+    """What every run of a comparison has in common: the coefficient in both places (fixed), paired sampling
+    noise, the regime's overrides, steps and, with one seed, the seed (None: the config's)."""
     out = ["algorithm.kl_ctrl.type=fixed", f"algorithm.kl_ctrl.kl_coef={kl_coef}",
-           f"actor.kl_loss_coef={kl_coef}", f"trainer.group={group}"]
+           f"actor.kl_loss_coef={kl_coef}", f"trainer.group={group}", PAIRED_NOISE, *regime]
     if steps is not None:
         out.append(f"trainer.total_steps={steps}")
     if seed is not None:

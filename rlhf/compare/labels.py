@@ -62,3 +62,10 @@ def kl_overrides(placement: str, estimator: str | None = None) -> list[str]:
     if loss:
         out.append(f"actor.kl_loss_type={estimator}")
     return out
+
+
+def legend_name(label: str) -> str:
+    """`reward:k1` -> `KL in reward: k1`; `no-kl` -> `no KL` (the report's and the figure's name of a run)."""
+    if label == "no-kl":
+        return "no KL"
+    return " + ".join(f"KL in {part.replace(':', ': ', 1)}" for part in label.split(" + "))

@@ -47,6 +47,11 @@ class Run:
         _, values = self.series(key)
         return statistics.fmean(values) if values else None
 
+    def late(self, key: str, count: int) -> float | None:
+        """The mean of `key` over the last `count` steps that logged it (all of them if fewer); None if none did."""
+        _, values = self.series(key)
+        return statistics.fmean(values[-count:]) if values else None
+
     def bias(self, estimator: str) -> list[float]:
         """Per step: kl/<estimator> - kl/full (both per-token means over the same sampled tokens, nats)."""
         return [r[f"kl/{estimator}"] - r["kl/full"] for r in self.rows
@@ -111,6 +116,11 @@ class Group:
     def estimate(self, number: Callable[[Run], float | None]) -> Estimate:
         """`number(run) -> float | None` of each seed (Nones skipped) -> its mean over seeds with interval."""
         return Estimate(tuple(v for v in map(number, self.runs) if v is not None))
+
+    def per_seed(self, number: Callable[[Run], float | None]) -> dict[int, float]:
+        """{seed: number(run)} over the seeds (Nones skipped): what stats.paired_differences pairs by seed."""
+        values = {run.seed: number(run) for run in self.runs}
+        return {seed: value for seed, value in values.items() if value is not None}
 
     @property
     def seeds(self) -> list[int]:

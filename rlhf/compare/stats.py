@@ -1,5 +1,6 @@
-"""Statistics over seeds: the mean of one number per seed, its 95% Student t interval, and whether two such
-means differ beyond their intervals (and roughly how many seeds would tell). No scipy: t comes from a table."""
+"""Statistics over seeds: the mean of one number per seed and its 95% Student t interval; the paired
+difference of two runs (per seed, then over seeds), whether its interval excludes 0, and roughly how many
+seeds would tell. No scipy: t comes from a table."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
        29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
-MAX_SEEDS_ESTIMATE = 1000  # seeds_to_resolve looks no further
+MAX_SEEDS_ESTIMATE = 1000  # seeds_needed looks no further
 
 
 def t95(df: int) -> float:
@@ -54,24 +55,29 @@ class Estimate:
         return None if self.sd is None else t95(self.n - 1) * self.sd / math.sqrt(self.n)
 
 
-def resolved(a: Estimate, b: Estimate) -> bool:
-    """Whether the difference of the means of a and b is resolved: both have a 95% interval and the two
-    intervals do not overlap, |mean_a - mean_b| > half_width_a + half_width_b."""
-    if a.half_width is None or b.half_width is None:
-        return False
-    return abs(a.mean - b.mean) > a.half_width + b.half_width
+def paired_differences(values: dict[int, float], reference: dict[int, float]) -> Estimate:
+    """The paired difference of two runs over seeds: `values[s] - reference[s]` for every seed s that both
+    have (in seed order), as an Estimate. Runs with the same seed see the same prompts and, with
+    `rollout.paired_noise`, the same sampling noise, so the per-seed difference cancels what the seed does
+    to both; its interval is that of the mean difference (a paired t-interval)."""
+    return Estimate(tuple(values[s] - reference[s] for s in sorted(values.keys() & reference.keys())))
 
 
-def seeds_to_resolve(a: Estimate, b: Estimate) -> int | None:
-    """Roughly how many seeds per run would resolve the difference of a and b if its size and the two runs'
-    sample sds stayed as observed: the smallest n >= 2 with t95(n - 1) * (sd_a + sd_b) / sqrt(n) < |mean_a -
-    mean_b| (the rule of `resolved` with n seeds on both sides; = 2 t sd / sqrt(n) with sd their mean).
-    None when it cannot be told: a run with fewer than 2 seeds (no spread) or equal means;
-    MAX_SEEDS_ESTIMATE + 1 when more than MAX_SEEDS_ESTIMATE seeds would be needed."""
-    if a.sd is None or b.sd is None or a.mean == b.mean:
+def excludes_zero(difference: Estimate) -> bool:
+    """Whether a paired difference is resolved: it has a 95% interval and the interval excludes 0,
+    |mean| > half_width (a paired t-test at 5%, two-sided). Differences equal for every seed (sd 0) are
+    resolved unless they are all 0."""
+    return difference.half_width is not None and abs(difference.mean) > difference.half_width
+
+
+def seeds_needed(difference: Estimate) -> int | None:
+    """Roughly how many seeds would resolve a paired difference if its mean and sd stayed as observed: the
+    smallest n >= 2 with t95(n - 1) * sd / sqrt(n) < |mean| (the rule of excludes_zero with n seeds).
+    None when it cannot be told: fewer than 2 seeds (no spread) or a mean of 0; MAX_SEEDS_ESTIMATE + 1 when
+    more than MAX_SEEDS_ESTIMATE seeds would be needed."""
+    if difference.sd is None or difference.mean == 0:
         return None
-    difference, spread = abs(a.mean - b.mean), a.sd + b.sd
     for n in range(2, MAX_SEEDS_ESTIMATE + 1):
-        if t95(n - 1) * spread / math.sqrt(n) < difference:
+        if t95(n - 1) * difference.sd / math.sqrt(n) < abs(difference.mean):
             return n
     return MAX_SEEDS_ESTIMATE + 1
