@@ -34,7 +34,7 @@ import yaml
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from rlhf import core_algos, kl, ppo
+from rlhf import core_algos, evaluation, kl, ppo
 from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_steps_message, check_resumable,
                              latest_checkpoint, save_checkpoint)
 from rlhf.compare.labels import kl_tags
@@ -42,8 +42,8 @@ from rlhf.config import Config, ConfigError, load_config, to_dict, validate, war
 from rlhf.processes import (eval_batches, mean_over_processes, process_share, stop_rule, sum_over_processes,
                             token_weighted_means)
 from rlhf.rewards.gsm8k import compute_score
-from rlhf.rollout import (SamplingParams, generate, left_pad, logprobs_and_logits, paired_noise_generator,
-                          response_values, slice_batch)
+from rlhf.rollout import (SamplingParams, generate, is_stop_token, left_pad, logprobs_and_logits,
+                          paired_noise_generator, response_values, slice_batch, stop_token_ids)
 from rlhf.setup import Setup, setup, shard_on_cpu
 from rlhf.tracking import MetricsLogger, Timer, truncate_metrics, wandb_available
 
@@ -62,7 +62,8 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
     batch = rollout(cfg, accelerator, run.models, run.tokenizer, rows, timer, noise)
     batch["group_ids"] = group_ids.to(accelerator.device)
     metrics, skipped = update(cfg, accelerator, run.models, run.optimizers, batch, run.kl_ctrl, step, timer)
-    metrics.update(batch_metrics(cfg, accelerator, batch, run.tokenizer.eos_token_id))
+    stop_ids = stop_token_ids(accelerator.unwrap_model(run.models[0]), run.tokenizer)
+    metrics.update(batch_metrics(cfg, accelerator, batch, stop_ids))
     num_tokens = accelerator.reduce(batch["attention_mask"].sum().float(), "sum").item()
     return metrics, skipped, num_tokens
 
@@ -214,12 +215,12 @@ def micro_actor_loss(cfg: Config, actor, ref, micro, agg) -> tuple[torch.Tensor,
     return loss, metrics
 
 
-def batch_metrics(cfg: Config, accelerator, batch, eos_token_id: int) -> dict[str, float]:
+def batch_metrics(cfg: Config, accelerator, batch, eos_token_ids: int | tuple[int, ...]) -> dict[str, float]:
     """The step's logged numbers that describe the batch: scores, rewards, lengths, advantages, value fit, the
     share of groups without signal, the KL panel; over all processes (the panel over all their tokens)."""
     mask, reduce_sum = batch["response_mask"], sum_over_processes(accelerator)
     lengths = mask.sum(dim=1)
-    clipped = (lengths == mask.shape[1]) & (batch["response_ids"][:, -1] != eos_token_id)
+    clipped = (lengths == mask.shape[1]) & ~is_stop_token(batch["response_ids"][:, -1], eos_token_ids)
     local = {
         "critic/score/mean": batch["scores"].mean(),
         "critic/rewards/mean": core_algos.masked_sum(batch["token_rewards"], mask, dim=1).mean(),
@@ -243,23 +244,38 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_id: int) -> dict[st
 
 
 @torch.no_grad()
-def evaluate(cfg: Config, accelerator, actor, tokenizer, val_set) -> float:
-    """Greedy accuracy on the held-out split; each process takes its share, counts are summed."""
-    params = SamplingParams(cfg.data.max_response_length, greedy=True)
-    model = accelerator.unwrap_model(actor)
-    correct = total = 0
+def evaluate(cfg: Config, accelerator, actor, tokenizer, val_set, step: int = 0) -> dict[str, float]:
+    """Greedy `val/accuracy` on the held-out split; with trainer.val_samples = n > 0 also n responses per
+    problem sampled at the rollout's temperature, for `val/pass@k` (k = 1, 2, 4, ..., n) and `val/maj@n`
+    (rlhf/evaluation.py), their noise seeded by (seed, step, process). Each process takes its share."""
+    model, n, r = accelerator.unwrap_model(actor), cfg.trainer.val_samples, cfg.rollout
+    greedy = SamplingParams(cfg.data.max_response_length, greedy=True)
+    sampled = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p)
+    noise = paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device, "val") if n else None
+    sizes = evaluation.pass_at_k_sizes(n) if n else []
+    sums = torch.zeros(2 + len(sizes) + bool(n), dtype=torch.float64)  # correct, problems, pass@k..., maj@n
+
+    def decode(rows, params, generator=None):
+        prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
+        with accelerator.autocast():
+            return generate(model, tokenizer, prompt_ids.to(accelerator.device), prompt_mask.to(accelerator.device),
+                            params, all_finished=stop_rule(accelerator), generator=generator)
+
     batches = eval_batches(len(val_set), cfg.data.val_batch_size, accelerator.process_index,
                            accelerator.num_processes)
     for mine in tqdm(batches, desc="eval", leave=False, disable=not accelerator.is_local_main_process):
         rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see eval_batches)
-        prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
-        with accelerator.autocast():
-            batch = generate(model, tokenizer, prompt_ids.to(accelerator.device),
-                             prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator))
-        scores = score_responses(tokenizer, batch, rows["ground_truth"], cfg.data.reward_method)[:len(mine)]
-        correct, total = correct + scores.sum().item(), total + len(scores)
-    counts = accelerator.reduce(torch.tensor([correct, total], dtype=torch.float64, device=accelerator.device), "sum")
-    return (counts[0] / counts[1].clamp(min=1)).item()
+        scores = score_responses(tokenizer, decode(rows, greedy), rows["ground_truth"], cfg.data.reward_method)
+        sums[:2] += torch.tensor([scores[:len(mine)].sum().item(), len(mine)], dtype=torch.float64)
+        if n:
+            texts = tokenizer.batch_decode(decode(ppo.repeat_prompts(rows, n)[0], sampled, noise)["response_ids"],
+                                           skip_special_tokens=True)
+            for i in range(len(mine)):
+                sums[2:] += torch.tensor(evaluation.sampled_scores(texts[i * n:(i + 1) * n], rows["ground_truth"][i],
+                                                                   cfg.data.reward_method, sizes), dtype=torch.float64)
+    sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
+    values = (sums[[0, *range(2, len(sums))]] / sums[1].clamp(min=1)).tolist()
+    return dict(zip(["val/accuracy", *(f"val/pass@{k}" for k in sizes), *([f"val/maj@{n}"] if n else [])], values))
 
 
 # ----------------------------------------------------------------------------- main
@@ -304,7 +320,7 @@ def main(cfg: Config) -> dict[str, float]:
     actor, total = run.models[0], cfg.trainer.total_steps
     metrics: dict[str, float] = {}
     if state.step == 0:
-        metrics = {"val/accuracy": evaluate(cfg, accelerator, actor, run.tokenizer, run.val_set)}
+        metrics = evaluate(cfg, accelerator, actor, run.tokenizer, run.val_set, step=0)
         logger.log(metrics, step=0)
         accelerator.print(f"step 0: val/accuracy={metrics['val/accuracy']:.3f}")
     progress = tqdm(range(state.step + 1, total + 1), desc="ppo", initial=state.step, total=total,
@@ -318,7 +334,7 @@ def main(cfg: Config) -> dict[str, float]:
                     state.bad_steps = state.bad_steps + 1 if skipped else 0
                     if ppo.should_evaluate(step, total, cfg.trainer.test_freq):
                         with timer("testing"):
-                            metrics["val/accuracy"] = evaluate(cfg, accelerator, actor, run.tokenizer, run.val_set)
+                            metrics.update(evaluate(cfg, accelerator, actor, run.tokenizer, run.val_set, step))
                 metrics.update(timer.metrics())
                 metrics.update({"actor/skipped_updates": skipped,
                                 "perf/throughput": num_tokens / metrics["timing_s/step"] / accelerator.num_processes})

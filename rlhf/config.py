@@ -124,6 +124,7 @@ class TrainerConfig:
     group: str | None = None  # wandb group (runs to compare side by side); None = project default
     logger: str = "wandb"  # wandb | none. wandb runs offline when there are no credentials
     test_freq: int = 10  # greedy evaluation every N steps (also at step 0 and at the end); 0 = only those
+    val_samples: int = 0  # n > 0: also n responses per held-out problem at the rollout temperature, for val/pass@k and val/maj@n (n times the evaluation's cost); 0 = off
     save_freq: int = 0  # checkpoint every N steps (always at the end); 0 = only at the end
     max_ckpt_to_keep: int = 2  # older checkpoints are deleted
     resume_from: str | None = None  # a checkpoint directory, or "auto" for the latest in output_dir
@@ -359,7 +360,7 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
                 "actor.lr", "critic.lr", "actor.clip_ratio", "actor.grad_clip", "critic.grad_clip"):
         section, name = key.split(".")
         _positive(key, getattr(getattr(cfg, section), name))
-    for key in ("trainer.test_freq", "trainer.save_freq", "rollout.top_k", "actor.entropy_coeff",
+    for key in ("trainer.test_freq", "trainer.save_freq", "trainer.val_samples", "rollout.top_k", "actor.entropy_coeff",
                 "actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", "critic.cliprange_value",
                 "actor.weight_decay", "critic.weight_decay"):
         *path, name = key.split(".")

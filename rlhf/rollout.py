@@ -49,13 +49,14 @@ class SamplingParams:
     ignore_eos: bool = False  # sample all max_new_tokens even after EOS (benchmarks)
 
 
-def paired_noise_generator(seed: int, step: int, process_index: int, device) -> torch.Generator:
+def paired_noise_generator(seed: int, step: int, process_index: int, device, stream: str = "rollout") -> torch.Generator:
     """The sampling noise of one step (`rollout.paired_noise`), seeded by (seed, step, process index).
 
     Two runs with the same seed then draw the same Gumbel noise step for step (common random numbers): their
     samples are identical wherever their policies agree, so a difference between the runs is the policies'
-    and not the noise's. The process index keeps processes from ever sharing noise."""
-    digest = hashlib.sha256(f"{seed}/{step}/{process_index}".encode()).digest()
+    and not the noise's. The process index keeps processes from ever sharing noise. `stream` names a separate
+    sequence of noise (the sampled evaluation's is "val"), so that one use never shifts another's."""
+    digest = hashlib.sha256(f"{stream}/{seed}/{step}/{process_index}".encode()).digest()
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
@@ -78,9 +79,25 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return (logits + gumbel).argmax(dim=-1)
 
 
-def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """(B, R) long mask: 1 up to and including the first EOS, 0 after it."""
-    is_eos = (response_ids == eos_token_id).long()
+def stop_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's EOS and every id of the model's generation config
+    `eos_token_id`, an int or a list (Qwen2.5-Instruct lists `<|im_end|>` 151645 and `<|endoftext|>` 151643,
+    and its tokenizer's EOS is only the first). Only these ids are read from the generation config."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [tokenizer.eos_token_id, *(listed if isinstance(listed, (list, tuple)) else [listed])]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def is_stop_token(ids: torch.Tensor, stop_ids: int | tuple[int, ...]) -> torch.Tensor:
+    """Bool tensor like `ids`: which entries are one of the stop ids (an int or a tuple of them)."""
+    stop_ids = (stop_ids,) if isinstance(stop_ids, int) else stop_ids
+    return torch.isin(ids, torch.tensor(stop_ids, dtype=ids.dtype, device=ids.device))
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | tuple[int, ...]) -> torch.Tensor:
+    """(B, R) long mask: 1 up to and including the first stop token (any of `eos_token_ids`), 0 after it. A
+    pad id counts as the end only when it is one of the stop ids."""
+    is_eos = is_stop_token(response_ids, eos_token_ids).long()
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos  # EOS tokens strictly before position t
     return (eos_before == 0).long()
 
@@ -92,11 +109,13 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
 
     A plain decoding loop over the model's KV cache, the same passes as `model.generate` (greedy output is
     identical, see tests/test_rollout.py) without its per-token machinery, which costs ~10% of the
-    sampling time of a small model. Stops when every sequence has sampled EOS or after max_new_tokens;
+    sampling time of a small model. A sequence ends at the first of its stop_token_ids (every EOS id of the
+    model's generation config, and the tokenizer's); generation stops when every sequence has ended or after
+    max_new_tokens;
     `all_finished((B,) bool finished) -> bool` may widen "every sequence" to other processes' too;
     `generator` is the sampling noise's source (`paired_noise_generator`), the global random state if None.
     """
-    eos = None if params.ignore_eos else tokenizer.eos_token_id
+    eos = None if params.ignore_eos else stop_token_ids(model, tokenizer)
     # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here).
     # Its tensors cannot enter autograd, so the tokens are cloned into a normal tensor on the way out. Not for
     # FSDP2-sharded models: the parameters they gather would become inference tensors, which FSDP's later
@@ -122,7 +141,7 @@ def kv_cache_name(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | None, pad_token_id: int,
+def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: tuple[int, ...] | None, pad_token_id: int,
             all_finished, generator=None):
     """(B, max_new_tokens) sampled tokens; pad after a sequence's EOS, and for every sequence once all have
     stopped."""
@@ -142,7 +161,7 @@ def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: int | N
         token = next_token(out.logits[:, -1], params, generator)
         if eos is not None:
             token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's EOS
-            finished |= token == eos
+            finished |= is_stop_token(token, eos)
         tokens.append(token)
         if t + 1 == params.max_new_tokens or (eos is not None and all_finished(finished)):
             break

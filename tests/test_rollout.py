@@ -195,3 +195,35 @@ def test_paired_noise_keeps_a_row_s_samples_where_the_policies_agree():
     keep = [i for i in range(8) if i != 5]
     assert torch.equal(a[keep], b[keep])
     assert not torch.equal(a[5], b[5])
+
+
+def test_every_eos_id_of_the_generation_config_ends_a_response_and_a_sampled_pad_id_does_not():
+    """A model whose generation config lists two EOS ids (as Qwen2.5-Instruct's: <|im_end|>, <|endoftext|>),
+    the second also the pad id, and a tokenizer whose EOS is only the first. Greedy decoding (so the tokens are
+    known) from an untied large-init model: the second id ends the rows that produce it, masked after its
+    first occurrence; a pad id that is not an EOS is a response token like any other."""
+    from rlhf.rollout import stop_token_ids
+
+    model = tiny_qwen2(16, seed=2, pad_token_id=PAD, tie_word_embeddings=False, initializer_range=0.5)
+    prompt_ids, prompt_mask = left_pad([[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]], PAD)
+    free = generate(model, type("Tok", (), {"pad_token_id": 15, "eos_token_id": 14}), prompt_ids, prompt_mask,
+                    SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True))["response_ids"]
+    row0 = free[0].tolist()  # the first token of row 0 that is new there: declared the second EOS and the pad id
+    at = next(t for t in range(1, 11) if row0[t] not in row0[:t] and row0[t] != 14)
+    second = row0[at]
+    model.generation_config.eos_token_id = [14, second]
+    tokenizer = type("Tok", (), {"pad_token_id": second, "eos_token_id": 14})
+    assert stop_token_ids(model, tokenizer) == (14, second)
+    out = generate(model, tokenizer, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=12, greedy=True))
+    for row in range(4):
+        tokens = free[row].tolist()
+        end = next((t for t, tok in enumerate(tokens) if tok in (14, second)), len(tokens) - 1)
+        assert out["response_mask"][row].tolist() == [1] * (end + 1) + [0] * (len(tokens) - end - 1)
+        assert out["response_ids"][row, : end + 1].tolist() == tokens[: end + 1]
+    assert out["response_mask"][0].sum() == at + 1
+
+    # the pad id sampled mid-response, and not an EOS: the response goes on through it
+    pad_only = type("Tok", (), {"pad_token_id": second, "eos_token_id": 14})
+    model.generation_config.eos_token_id = None
+    kept = generate(model, pad_only, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=12, greedy=True))
+    assert kept["response_ids"][0, at] == second and kept["response_mask"][0, : at + 2].tolist() == [1] * (at + 2)

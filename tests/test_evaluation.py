@@ -1,0 +1,73 @@
+"""Sampled evaluation: the unbiased pass@k against enumeration, maj@n's vote, and the trainer's evaluate,
+whose sampling must not disturb training."""
+
+import itertools
+import os
+import random
+
+import pytest
+from helpers import tiny_overrides
+
+import train
+from rlhf import evaluation
+from rlhf.config import load_config
+from rlhf.evaluation import majority_answer, pass_at_k, pass_at_k_sizes, sampled_scores
+from rlhf.tracking import read_metrics
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_pass_at_k_is_the_chance_that_k_of_the_n_responses_hold_a_right_one(n):
+    """Chen et al.'s estimator equals the average, over every k-subset of the n responses, of whether the
+    subset holds a right one."""
+    for c, k in itertools.product(range(n + 1), range(1, n + 1)):
+        right = [i < c for i in range(n)]
+        subsets = list(itertools.combinations(range(n), k))
+        exact = sum(any(right[i] for i in s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_refuses_impossible_counts():
+    for args in ((4, 1, 0), (4, 1, 5), (4, 5, 1), (4, -1, 1)):
+        with pytest.raises(ValueError):
+            pass_at_k(*args)
+    assert pass_at_k_sizes(8) == [1, 2, 4, 8] and pass_at_k_sizes(6) == [1, 2, 4, 6] and pass_at_k_sizes(1) == [1]
+
+
+def test_majority_vote_groups_equal_values_skips_non_answers_and_breaks_ties_by_first_seen():
+    assert majority_answer(["5", "5.00", "7", None, None, None]) == "5"
+    assert majority_answer(["7", "5", "5", "7"]) == "7"
+    assert majority_answer([None, None]) is None
+    texts = ["so #### 12", "#### 12.0", "#### 3", "no answer", "#### 3", "#### 3"]
+    # 12 is right in 2 of 6; the majority (3) is wrong
+    assert sampled_scores(texts, "#### 12", "strict", [1, 2, 6]) == pytest.approx(
+        [2 / 6, pass_at_k(6, 2, 2), 1.0, 0.0])
+    assert sampled_scores(texts, "3", "strict", [1])[-1] == 1.0
+
+
+def test_sampled_evaluation_is_logged_and_leaves_training_unchanged(artifacts, tmp_path, monkeypatch):
+    """val/pass@k and val/maj@n are the means over problems of each problem's sampled scores, and drawing
+    those samples (their own noise stream) changes nothing in training: every other logged number is equal."""
+    recorded, rng = [], random.Random(0)
+
+    def recording(texts, ground_truth, method, sizes):
+        """Stands in for the scorer (the tiny model never answers right): known values to average."""
+        assert len(texts) == 4 and len(set(texts)) > 1 and sizes == [1, 2, 4]  # 4 samples, not 4 greedy copies
+        recorded.append([rng.random() for _ in range(len(sizes) + 1)])
+        return recorded[-1]
+
+    monkeypatch.setattr(evaluation, "sampled_scores", recording)
+    runs = {}
+    for n in (0, 4):
+        out = str(tmp_path / f"n{n}")
+        train.main(load_config(None, tiny_overrides(artifacts, out, f"trainer.val_samples={n}", "trainer.logger=none",
+                                                    "rollout.temperature=1.5")))
+        runs[n] = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert len(recorded) == 2 * 8  # step 0 and the end, 8 held-out problems each
+    last = runs[4][-1]
+    for j, key in enumerate(["val/pass@1", "val/pass@2", "val/pass@4", "val/maj@4"]):
+        assert last[key] == pytest.approx(sum(r[j] for r in recorded[8:]) / 8)
+    for plain, sampled in zip(runs[0], runs[4]):
+        same = {k: v for k, v in plain.items() if not k.startswith("timing_s/") and k != "perf/throughput"}
+        assert same == {k: sampled[k] for k in same}
