@@ -5,6 +5,7 @@ code lives in rlhf/kl/theory.py (its docstring says what each function computes)
 its public names.
 """
 
+from rlhf.kl.fixed_points import bandit_fixed_point, tree_fixed_point
 from rlhf.kl.theory import (
     EXAMPLES,
     OFF_POLICY_EXAMPLES,
