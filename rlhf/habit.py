@@ -5,7 +5,7 @@
 The warm-start demos of the embedded default end, for most multi-step problems, with the first step's
 result instead of the last (`embedded.sft_early_answer_frac`, see `rlhf.embedded`). For the warm start and
 for every checkpoint of the run, this decodes the held-out split greedily and counts the answers that are
-correct, that report the first step's result (the habit), and that are otherwise wrong. The README's table
+correct, that report the first step's result (the habit), and that are otherwise wrong. docs/results.md's table
 comes from this command.
 """
 
@@ -85,7 +85,7 @@ def report(output_dir: str) -> list[tuple[str, Counter]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m rlhf.habit OUTPUT_DIR`: print `report` as the README's markdown table."""
+    """`python -m rlhf.habit OUTPUT_DIR`: print `report` as docs/results.md's markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", help="trainer.output_dir of a run of the embedded default")
     output_dir = parser.parse_args(argv).output_dir

@@ -149,7 +149,7 @@ def test_batch_not_divisible_by_processes_is_refused():
 
 
 def test_the_embedded_default_fits_several_processes_as_it_is():
-    """The README's multi-process command runs configs/tiny.yaml unchanged: a micro-batch larger than a
+    """docs/gpu.md's multi-process command runs configs/tiny.yaml unchanged: a micro-batch larger than a
     process's share of the mini-batch is that share (32 responses per micro-batch, 16 per process on 2)."""
     cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), [])
     for num_processes in (1, 2, 4):
