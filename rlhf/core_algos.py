@@ -21,9 +21,7 @@ from rlhf.registry import Registry
 LOGITS_CHUNK_ROWS = 1024
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Masked reductions
-# ---------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------- Masked reductions
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -78,9 +76,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum = o
     return torch.where(valid, whitened, 0.0)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Advantages
-# ---------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------- Advantages
 
 
 @torch.no_grad()
@@ -220,9 +216,7 @@ def group_outcome_advantages(
     return advantages, advantages
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Loss aggregation: (B, T) per-token losses -> scalar
-# ---------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------ Loss aggregation: (B, T) per-token losses -> scalar
 
 # name -> fn(loss_mat, mask, num_tokens, num_seqs, norm_len) -> scalar. Filled by @register_loss_agg.
 LOSS_AGG_REGISTRY = Registry("loss_agg_mode", "modes")
@@ -302,9 +296,7 @@ def agg_loss(
     return LOSS_AGG_REGISTRY[mode](loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# PPO losses
-# ---------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------- PPO losses
 
 
 def policy_loss(
@@ -397,9 +389,7 @@ def value_loss(
     return loss, metrics
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Log-probs and entropy from logits
-# ---------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------ Log-probs and entropy from logits
 
 
 def _row_chunks(logits: torch.Tensor):
@@ -437,9 +427,7 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return torch.cat([chunk_entropy(chunk) for chunk in _row_chunks(logits)]).reshape(logits.shape[:-1])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Diagnostics
-# ---------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------- Diagnostics
 
 
 @torch.no_grad()
