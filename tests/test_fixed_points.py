@@ -3,6 +3,7 @@ estimator converges'). Every solver result is compared, in float64, with an opti
 written out here from its definition, so that the module's own analytic helpers are checked too."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -182,7 +183,7 @@ def test_abs_in_the_loss_stays_at_ref_when_no_gap_exceeds_two_beta():
 
 
 def test_k3_loss_clamp_leaves_far_tokens_to_the_reward():
-    """A reward gap over ~12 beta puts the forward-KL optimum below d = -2.61, where k3's clamp zeroes its
+    """A reward gap over ~13 beta puts the forward-KL optimum below d = -2.61, where k3's clamp zeroes its
     gradient: the module's k3 loss then lets those tokens die."""
     ref, r, beta = T(0.5, 0.3, 0.2), T(0.0, 0.5, 5.0), 0.3
     forward = fp.forward_kl_optimum(ref, r, beta)
@@ -283,3 +284,7 @@ def test_report_tables():
     assert "| k3 | loss | (0.096, 0.102, 0.115, 0.687) | forward KL optimum |" in report
     assert "| k2 | loss | (0.511, 0.373, 0.115) | token-level reverse KL |" in report
     assert "| k1 | reward | (0.299, 0.541, 0.160) | sequence |" in report
+    # docs/kl.md's section 'Where each estimator converges' carries every line of it
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "kl.md"), encoding="utf-8").read()
+    section = docs[docs.index("## Where each estimator converges"):]
+    assert [line for line in report.splitlines() if line not in section] == []
