@@ -725,3 +725,14 @@ def test_report_opens_with_the_claims_table(claim_grid):
     assert rows["KL in loss: k3"]["Δ exact KL, last 5 steps vs no KL (paired)"] == "-0.6333 ± 0.1434 resolved"
     assert rows["KL in loss: k3"]["Δ forward KL, last 5 steps vs no KL (paired)"] == "-0.5000 ± 0.0000 resolved"
     assert os.path.getsize(png) > 50_000
+
+
+def test_claim_b_says_where_k1_in_the_loss_ends_when_that_resolves(claim_grid):
+    # k1 in the loss 0.3 above no KL in every seed: above each of (a), and above no KL (resolved too).
+    for i, seed in enumerate((1, 2, 3)):
+        level = CLAIM_LEVELS["no-kl"][i] + 0.3
+        write_run(claim_grid / "loss-k1" / f"seed{seed}", seed, claim_rows(level, level), total_steps=6,
+                  actor__use_kl_loss=True, actor__kl_loss_type="k1")
+    (b,) = [c for c in compare.claims(compare.group_runs(compare.load_runs(str(claim_grid)))) if c.name == "(b)"]
+    assert b.verdict == "resolved: above no KL"
+    assert b.effect == "+0.300 ± 0.000 (3 seeds); 47% of (a)'s smallest (loss:k3: -0.633)"

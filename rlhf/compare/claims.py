@@ -111,9 +111,10 @@ def difference_claim(groups: dict[str, Group], name: str, text: str, run: str, r
 
 
 def small_claim(groups: dict[str, Group]) -> Claim:
-    """(b): k1 in the loss moves the exact KL little next to (a)'s losses. Its own difference to no KL is the
-    effect, with its size as a fraction of the smallest of theirs; resolved when k1 in the loss ends above
-    each of (a)'s runs (every paired interval k1 − that run above 0), contradicted when it ends below one."""
+    """(b): k1 in the loss does not hold the exact KL down as (a)'s losses do. Its own difference to no KL is
+    the effect, with its size as a fraction of the smallest of theirs; resolved when k1 in the loss ends
+    above each of (a)'s runs (every paired interval k1 − that run above 0), said with where it ends against
+    no KL when that resolves too; contradicted when it ends below one of them."""
     text = "k1 in the loss does not hold the exact KL below no KL: its difference is small next to (a)'s"
     measure = f"{REVERSE}: loss:k1 − no-kl; and loss:k1 − each of (a)"
     holders = tuple(label for label in HOLDERS if label in groups)
@@ -129,8 +130,9 @@ def small_claim(groups: dict[str, Group]) -> Claim:
     pending = [d for d in above if not (excludes_zero(d) and d.mean > 0)]
     if any(excludes_zero(d) and d.mean < 0 for d in above):
         result = "contradicted"
-    elif not pending:
-        result = "resolved"
+    elif not pending:  # and where k1 in the loss itself ends, when that resolves
+        result = "resolved" + ("" if not excludes_zero(own) else
+                               ": above no KL" if own.mean > 0 else ": below no KL, less than (a)'s runs")
     else:  # the seeds the hardest of the pending differences needs (None: it would never resolve)
         result = unresolved(max(pending, key=lambda d: seeds_needed(d) or MAX_SEEDS_ESTIMATE + 2))
     return Claim("(b)", text, measure, effect, result, own)

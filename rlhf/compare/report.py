@@ -106,7 +106,8 @@ def _claims_text() -> list[str]:
         "in the other; *not resolved (~N seeds)*: it contains 0, and about N seeds would resolve it if the "
         "mean and the spread of the per-seed differences stayed as observed (the smallest N with "
         "t(N−1)·sd/√N < |mean|; the sd of a few seeds is itself noisy); *measured*: no direction claimed. "
-        "(b) is resolved when k1 in the loss ends above each of (a)'s runs (each paired interval above 0); "
+        "(b) is resolved when k1 in the loss ends above each of (a)'s runs (each paired interval above 0), "
+        "and says where it ends against no KL when that resolves too; "
         "(e) compares every logged number but the KL loss's own value and the clocks.",
     ]
 
