@@ -50,8 +50,9 @@ class Regime:
 
 # `separating`, the ppo grid's default: a learning rate 4x configs/tiny.yaml's, so that without a KL the
 # policy moves far from pi_ref within the run, and a coefficient 10x its, so that a KL gradient holds it
-# back by a margin three paired seeds resolve (docs/results.md, "Comparing the estimators", has the pilots
-# it was chosen from and its timing: 9 runs x 3 seeds in about 45 minutes on 2 quiet cores).
+# back by a margin three paired seeds resolve. The steps and the epochs stay at 20 and configs/tiny.yaml's
+# 2 x 2 mini-batches, so that a run costs what a `small` one does (docs/results.md, "Comparing the
+# estimators", has the pilot it was chosen from and the measured time of `--seeds 3`).
 # `small`: the configs' own learning rate and coefficient (0.01 in configs/tiny.yaml), 20 steps: the
 # policy stays so close to pi_ref that no placement's effect resolves; the grpo grid's default.
 REGIMES = {"separating": Regime(0.1, 20, ("actor.lr=2e-4",)), "small": Regime(None, 20)}
