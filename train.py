@@ -71,26 +71,32 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
 @torch.no_grad()
 def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer,
             noise: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """Sample one response per row (the noise from `noise`, or the global random state); add the old log-probs,
-    the reference log-probs when there is a reference, the exact per-token KL when the panel or an estimator
-    needs it and the exact forward KL for the panel, the critic's values when there is a critic (all (B, R),
-    micro-batched) and the GSM8K scores (B,)."""
+    """Sample one response per row (the noise from `noise`, or the global random state); add, all (B, R) and
+    micro-batched: the old log-probs from the actor's forward pass, or the sampler's, or none where the update
+    scores the batch itself (ppo.old_logprobs_source); the reference log-probs when there is a reference; the
+    exact per-token KL when the panel or the reward needs it (ppo.needs_rollout_full_kl) and the exact forward
+    KL for the panel; the critic's values when there is a critic; the sampler's log-probs, when kept and not
+    the old ones (`rollout_logprobs`, for ppo.logprob_mismatch); and the GSM8K scores (B,)."""
     actor, critic, ref = models
     prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
     r = cfg.rollout
     params = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p, ignore_eos=r.ignore_eos)
+    keep = ppo.keeps_sampler_logprobs(cfg, accelerator.mixed_precision)
+    source = ppo.old_logprobs_source(cfg, keep)
     with timer("gen"), accelerator.autocast():
         batch = generate(accelerator.unwrap_model(actor), tokenizer, prompt_ids.to(accelerator.device),
                          prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator),
-                         generator=noise)
-    kl_names = (cfg.algorithm.kl_penalty, cfg.actor.kl_loss_type)
-    need_full = cfg.trainer.log_kl_panel or any(kl.needs_logits(name) for name in kl_names)
+                         generator=noise, return_logprobs=keep)
+    if source == "sampler":
+        batch["old_logprobs"] = batch.pop("rollout_logprobs")
+    need_full = ppo.needs_rollout_full_kl(cfg)  # then source == "pass": the actor's logits are at hand
     parts = defaultdict(list)
     for index in torch.arange(len(prompt_ids)).split(r.log_prob_micro_batch_size):
-        micro = slice_batch(batch, index)
-        with timer("old_log_prob"), accelerator.autocast():
-            logprobs, logits = logprobs_and_logits(actor, micro, r.temperature)
-            parts["old_logprobs"].append(logprobs)
+        micro, logits = slice_batch(batch, index), None
+        if source == "pass":
+            with timer("old_log_prob"), accelerator.autocast():
+                logprobs, logits = logprobs_and_logits(actor, micro, r.temperature)
+                parts["old_logprobs"].append(logprobs)
         if ref is not None:
             with timer("ref"), accelerator.autocast():
                 ref_logprobs, ref_logits = logprobs_and_logits(ref, micro, r.temperature)
@@ -139,9 +145,15 @@ def update(cfg: Config, accelerator, models, optimizers, batch, kl_ctrl, step: i
 
 def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, timer: Timer):
     """`actor.ppo_epochs` passes over the batch in mini-batches, one optimizer step per model and mini-batch
-    (the critic only when there is one). Returns (metrics averaged over mini-batches, the maximum for keys
-    ending in /max; skipped updates)."""
+    (the critic only when there is one). A batch without old log-probs (ppo.old_logprobs_source is "update")
+    gets the update's own, detached: its one mini-batch's forwards all run before its optimizer step. Returns
+    (metrics averaged over mini-batches, the maximum for keys ending in /max; skipped updates)."""
     (actor, critic, ref), (actor_opt, critic_opt), ac = models, optimizers, cfg.actor
+    own_old = "old_logprobs" not in batch
+    if own_old and not ppo.is_on_policy(cfg):
+        raise ValueError("the batch has no old log-probs and the update is not exactly on-policy "
+                         "(rlhf.ppo.old_logprobs_source says when the rollout must compute them)")
+    own_logprobs = torch.zeros(batch["response_mask"].shape, device=accelerator.device) if own_old else None
     world, mini_size = accelerator.num_processes, ac.ppo_mini_batch_size * cfg.rollout.n  # responses
     learners = [("actor", actor, actor_opt, ac.grad_clip)]
     if critic is not None:
@@ -162,6 +174,8 @@ def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, t
                 with accelerator.autocast():  # forward only: the backward runs outside autocast
                     loss, micro_metrics = micro_actor_loss(cfg, actor, ref, micro, agg)
                 accelerator.backward(loss * world)
+            if own_old:  # filled in by micro_actor_loss
+                own_logprobs[micro_index] = micro["old_logprobs"]
             finite["actor"] &= math.isfinite(loss.item())
             if critic is not None:
                 with timer("update_critic"), (contextlib.nullcontext() if last else accelerator.no_sync(critic)):
@@ -194,14 +208,18 @@ def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, t
                     skipped += 1
                 opt.zero_grad(set_to_none=True)
             records[f"{name}/grad_norm"].append(grad_norm.item())
+    if own_old:  # for the metrics of the batch (ppo.logprob_mismatch)
+        batch["old_logprobs"] = own_logprobs
     return {key: max(values) if key.endswith("/max") else sum(values) / len(values)
             for key, values in records.items()}, skipped
 
 
 def micro_actor_loss(cfg: Config, actor, ref, micro, agg) -> tuple[torch.Tensor, dict[str, float]]:
-    """The actor's forward pass and loss on one micro-batch (rlhf.ppo.actor_loss), with actor/entropy."""
+    """The actor's forward pass and loss on one micro-batch (rlhf.ppo.actor_loss), with actor/entropy. Without
+    old log-probs in `micro` (an exactly on-policy update), sets them to its own, detached."""
     temperature, mask = cfg.rollout.temperature, micro["response_mask"]
     logprobs, logits = logprobs_and_logits(actor, micro, temperature)
+    micro.setdefault("old_logprobs", logprobs.detach())
     with torch.set_grad_enabled(bool(cfg.actor.entropy_coeff)):  # out of the graph unless in the loss
         entropy = core_algos.entropy_from_logits(logits, temperature)
     full = None
@@ -217,7 +235,8 @@ def micro_actor_loss(cfg: Config, actor, ref, micro, agg) -> tuple[torch.Tensor,
 
 def batch_metrics(cfg: Config, accelerator, batch, eos_token_ids: int | tuple[int, ...]) -> dict[str, float]:
     """The step's logged numbers that describe the batch: scores, rewards, lengths, advantages, value fit, the
-    share of groups without signal, the KL panel; over all processes (the panel over all their tokens)."""
+    share of groups without signal, the KL panel, the sampler's log-prob mismatch; over all processes (the
+    panel and the mismatch KL over all their tokens)."""
     mask, reduce_sum = batch["response_mask"], sum_over_processes(accelerator)
     lengths = mask.sum(dim=1)
     clipped = (lengths == mask.shape[1]) & ~is_stop_token(batch["response_ids"][:, -1], eos_token_ids)
@@ -240,6 +259,11 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_ids: int | tuple[in
         panel["kl/full"] = core_algos.masked_mean(batch["full_kl"], mask).item()
         panel["kl/full_forward"] = core_algos.masked_mean(batch["full_forward_kl"], mask).item()
         metrics.update(token_weighted_means(panel, mask.sum(), reduce_sum))
+    if "rollout_logprobs" in batch:  # the sampler's log-probs against the recomputed old ones
+        mismatch = ppo.logprob_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
+        largest = {"rollout/logprob_abs_diff/max": mismatch.pop("rollout/logprob_abs_diff/max")}
+        metrics.update(mean_over_processes(accelerator, largest))
+        metrics.update(token_weighted_means(mismatch, mask.sum(), reduce_sum))
     return metrics
 
 

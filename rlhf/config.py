@@ -66,6 +66,7 @@ class RolloutConfig:
     log_prob_micro_batch_size: int = 16  # sequences per forward pass when computing log-probs/values
     n: int = 1  # responses sampled per prompt (the group of grpo/rloo)
     paired_noise: bool = False  # each step's sampling noise from (trainer.seed, step, process): same-seed runs share it (paired comparisons)
+    logprobs_from_sampler: bool | None = None  # keep each sampled token's log-prob from the decoding loop (softmax(logits / temperature), before top-k/top-p): the old log-probs where no forward pass is needed for them, else compared with the recomputed ones (rollout/logprob_*); None = on for float32 weights without mixed precision, where the two agree to float rounding (docs/training.md)
 
 
 @dataclass
@@ -103,6 +104,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  # estimator for the loss (verl's default; see the KL table)
     kl_loss_coef: float = 0.001  # weight of the KL loss
     kl_loss_off_policy_correction: bool = False  # weight the KL loss by rho = pi/pi_old (exact after the first optimizer step; docs/kl.md)
+    recompute_old_logprobs: str = "auto"  # auto: the actor's old-log-prob forward runs only when nothing else gives the old log-probs (rlhf.ppo.old_logprobs_source, docs/training.md); always: every step
 
 
 @dataclass
@@ -353,6 +355,7 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
         _choice("trainer.mixed_precision", t.mixed_precision, ("no", "bf16", "fp16"))
     _choice("data.reward_method", d.reward_method, ("strict", "flexible"))
     _choice("trainer.logger", t.logger, ("wandb", "none"))
+    _choice("actor.recompute_old_logprobs", ac.recompute_old_logprobs, ("auto", "always"))
     for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
                 "data.val_batch_size", "rollout.log_prob_micro_batch_size", "rollout.n", "actor.ppo_epochs",
                 "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "trainer.total_steps",

@@ -10,6 +10,9 @@ Each function here is one decision of the step, small enough to check by hand (t
     kl_per_token       the configured KL estimator per token
     actor_loss         policy loss - entropy bonus + KL loss, for the configured estimator
     minibatches        the mini-batches of every epoch, drawn from (seed, step)
+    is_on_policy, old_logprobs_source, keeps_sampler_logprobs, needs_rollout_full_kl
+                       which forward passes a step needs for its old log-probs and exact KLs
+    logprob_mismatch   the sampler's log-probs against the recomputed ones
     should_evaluate, should_checkpoint
 
 Functions that need statistics of the whole global batch take `reduce_sum` (rlhf.processes), which sums a
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from rlhf import core_algos, kl
-from rlhf.config import ActorConfig, AlgorithmConfig
+from rlhf.config import ActorConfig, AlgorithmConfig, Config
 from rlhf.processes import ReduceSum, one_process
 
 
@@ -116,6 +119,70 @@ def minibatches(num_local: int, local_mini_size: int, num_epochs: int, seed: int
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     return [index for _ in range(num_epochs)
             for index in torch.randperm(num_local, generator=generator).split(local_mini_size)]
+
+
+def is_on_policy(cfg: Config) -> bool:
+    """Whether the update is exactly on-policy: one epoch over one mini-batch (actor.ppo_epochs=1,
+    actor.ppo_mini_batch_size=data.train_batch_size), so the one optimizer step per model comes after every
+    micro-batch's forward (they accumulate gradients), and every forward runs at the rollout's weights."""
+    return cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+
+
+def needs_rollout_full_kl(cfg: Config) -> bool:
+    """Whether the rollout computes the exact per-token KL, which needs the actor's and the reference's logits:
+    for the KL panel (kl/full, kl/full_forward) and for a KL in the reward by an estimator that needs logits
+    (full). A `full` KL loss takes its own, through the update's logits."""
+    a = cfg.algorithm
+    return cfg.trainer.log_kl_panel or (a.use_kl_in_reward and kl.needs_logits(a.kl_penalty))
+
+
+def old_logprobs_source(cfg: Config, sampler_logprobs: bool = False) -> str:
+    """Where a step's old log-probs come from: "pass" (the actor's forward over the rollout batch, the timer's
+    `old_log_prob`), "update" (the update's own log-probs, detached) or "sampler" (those the decoding loop
+    kept, when `sampler_logprobs`: keeps_sampler_logprobs).
+
+    The pass runs when
+      - actor.recompute_old_logprobs=always;
+      - the actor's logits are needed before the update (needs_rollout_full_kl: the KL panel, or a `full` KL
+        in the reward);
+      - a sampled KL estimator is in the reward: it needs the old log-probs before the advantages, so before
+        the update; the sampler's serve if kept;
+      - the update is not exactly on-policy (is_on_policy): after its first optimizer step the ratio needs the
+        log-probs at the rollout's weights; the sampler's serve if kept.
+    Otherwise "update": the update's one optimizer step follows all its micro-batch forwards, at the
+    rollout's weights, so its own log-probs, detached, are the old ones; the ratio is then exactly 1 (and the
+    off-policy correction's rho: value 1, gradient that of the log-prob), as with the pass up to float
+    rounding. The reference's and the critic's passes are separate and unaffected: the KL loss, the critic
+    and the entropy use nothing of the actor's pass. Sampler log-probs that are kept but not used as the old
+    ones are compared with them (logprob_mismatch).
+    """
+    a = cfg.algorithm
+    if cfg.actor.recompute_old_logprobs == "always" or needs_rollout_full_kl(cfg):
+        return "pass"
+    if is_on_policy(cfg) and not a.use_kl_in_reward:
+        return "update"
+    return "sampler" if sampler_logprobs else "pass"
+
+
+def keeps_sampler_logprobs(cfg: Config, mixed_precision: str) -> bool:
+    """rollout.logprobs_from_sampler, where None means: on for float32 weights without mixed precision
+    (`mixed_precision` as accelerate names it: no | bf16 | fp16), where the sampler's log-probs agree with the
+    recomputed ones to float rounding, off otherwise (docs/training.md, the measured mismatch)."""
+    kept = cfg.rollout.logprobs_from_sampler
+    return kept if kept is not None else cfg.model.dtype == "float32" and mixed_precision == "no"
+
+
+def logprob_mismatch(rollout_logprobs: torch.Tensor, logprobs: torch.Tensor,
+                     response_mask: torch.Tensor) -> dict[str, float]:
+    """The sampler's log-probs of the sampled tokens against the recomputed ones, (B, R) x 3 -> metrics:
+    `rollout/logprob_mismatch_kl`, the token-mean k3 estimate of KL(sampler || recomputed) (the tokens are
+    the sampler's samples; >= 0 per token), and `rollout/logprob_abs_diff/max`, the largest |difference|
+    over valid tokens (0 without any)."""
+    valid = response_mask.bool()
+    diff = torch.where(valid, (rollout_logprobs.float() - logprobs.float()).abs(), 0.0)
+    k3 = kl.kl_penalty(rollout_logprobs.float(), logprobs.float(), "k3")
+    return {"rollout/logprob_mismatch_kl": core_algos.masked_mean(k3, response_mask).item(),
+            "rollout/logprob_abs_diff/max": (diff.max() if diff.numel() else diff.sum()).item()}
 
 
 def should_evaluate(step: int, total_steps: int, test_freq: int) -> bool:

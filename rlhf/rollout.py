@@ -103,8 +103,8 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | tupl
 
 
 def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-             params: SamplingParams, all_finished=None, generator: torch.Generator | None = None
-             ) -> dict[str, torch.Tensor]:
+             params: SamplingParams, all_finished=None, generator: torch.Generator | None = None,
+             return_logprobs: bool = False) -> dict[str, torch.Tensor]:
     """Sample (or greedily decode) one response per left-padded prompt and build the rollout batch.
 
     A plain decoding loop over the model's KV cache, the same passes as `model.generate` (greedy output is
@@ -114,6 +114,9 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     max_new_tokens;
     `all_finished((B,) bool finished) -> bool` may widen "every sequence" to other processes' too;
     `generator` is the sampling noise's source (`paired_noise_generator`), the global random state if None.
+    `return_logprobs` adds `rollout_logprobs` (B, R) float32, 0 after the response: each sampled token's
+    log-prob under softmax(logits / temperature) of the logits it was sampled from, before any top-k/top-p
+    filter, so the same quantity the trainer's forward pass computes (`logprobs_and_logits`).
     """
     eos = None if params.ignore_eos else stop_token_ids(model, tokenizer)
     # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here).
@@ -124,15 +127,18 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     # again (at Qwen2.5-0.5B's width on CPU: 0.21 s per token against 0.11 s under no_grad).
     lighter = not isinstance(model, FSDPModule) and not torch.is_autocast_enabled(prompt_ids.device.type)
     with torch.inference_mode() if lighter else torch.no_grad():
-        response_ids = _decode(model, prompt_ids, prompt_mask, params, eos, tokenizer.pad_token_id,
-                               all_finished or torch.all, generator)
+        response_ids, logprobs = _decode(model, prompt_ids, prompt_mask, params, eos, tokenizer.pad_token_id,
+                                         all_finished or torch.all, generator, return_logprobs)
     response_ids = response_ids.clone()
     if eos is None:  # ignore_eos: every sampled token is part of the response
         response_mask = torch.ones_like(response_ids)
     else:
         response_mask = response_mask_from_ids(response_ids, eos)
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
-    return build_batch(prompt_ids, prompt_mask, response_ids, response_mask)
+    batch = build_batch(prompt_ids, prompt_mask, response_ids, response_mask)
+    if return_logprobs:
+        batch["rollout_logprobs"] = torch.where(response_mask.bool(), logprobs.clone(), 0.0)
+    return batch
 
 
 def kv_cache_name(model) -> str:
@@ -142,9 +148,9 @@ def kv_cache_name(model) -> str:
 
 
 def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: tuple[int, ...] | None, pad_token_id: int,
-            all_finished, generator=None):
-    """(B, max_new_tokens) sampled tokens; pad after a sequence's EOS, and for every sequence once all have
-    stopped."""
+            all_finished, generator=None, keep_logprobs: bool = False):
+    """(B, max_new_tokens) sampled tokens, pad after a sequence's EOS and for every sequence once all have
+    stopped; and with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at the temperature, else None."""
     batch_size, prompt_width = prompt_ids.shape
     # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, params.max_new_tokens)], dim=1)
@@ -156,9 +162,11 @@ def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: tuple[i
         raise RuntimeError(f"{type(model).__name__} returned no KV cache; generation needs use_cache=True "
                            "(gradient checkpointing in train mode turns it off)")
     finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
-    tokens = []
+    tokens, logprobs = [], []
     for t in range(params.max_new_tokens):
         token = next_token(out.logits[:, -1], params, generator)
+        if keep_logprobs:  # of the unfiltered softmax(logits / T): what the trainer's forward pass computes
+            logprobs.append(logprobs_from_logits(out.logits[:, -1:], token[:, None], params.temperature)[:, 0])
         if eos is not None:
             token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's EOS
             finished |= is_stop_token(token, eos)
@@ -168,9 +176,9 @@ def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: tuple[i
         out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :prompt_width + t + 1],
                     position_ids=position_ids[:, -1:] + t + 1, use_cache=True,
                     **{cache_name: getattr(out, cache_name)})
-    response_ids = torch.stack(tokens, dim=1)
-    return torch.nn.functional.pad(response_ids, (0, params.max_new_tokens - response_ids.shape[1]),
-                                   value=pad_token_id)
+    width = params.max_new_tokens - len(tokens)
+    response_ids = torch.nn.functional.pad(torch.stack(tokens, dim=1), (0, width), value=pad_token_id)
+    return response_ids, torch.nn.functional.pad(torch.stack(logprobs, dim=1), (0, width)) if keep_logprobs else None
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

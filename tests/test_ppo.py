@@ -264,6 +264,17 @@ def reference_update(cfg, actor, critic, ref, batch, kl_coef: float, step: int):
             opt.zero_grad()
 
 
+def sgd_update(cfg, accelerator, actor, critic, ref, batch, kl_ctrl):
+    """train.update at step 3 with SGD optimizers (the module docstring says why), in place on the models.
+    Returns (metrics, skipped updates)."""
+    learners = [actor] + ([critic] if critic is not None else [])
+    prepared = accelerator.prepare(*learners, *[sgd(model) for model in learners])
+    half = len(prepared) // 2
+    models = (prepared[0], prepared[1] if half == 2 else None, ref)
+    optimizers = (prepared[half], prepared[3] if half == 2 else None)
+    return train.update(cfg, accelerator, models, optimizers, batch, kl_ctrl, step=3, timer=Timer())
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_update_reaches_the_weights_of_the_reference_ppo(setup_run, case):
     cfg, accelerator, models, _, _, batch = setup_run(*CASES[case])
@@ -275,11 +286,7 @@ def test_update_reaches_the_weights_of_the_reference_ppo(setup_run, case):
 
     learners = [(actor, expected_actor)] + ([(critic, expected_critic)] if critic is not None else [])
     start = [weights(model) for model, _ in learners]
-    prepared = accelerator.prepare(*[model for model, _ in learners], *[sgd(model) for model, _ in learners])
-    half = len(prepared) // 2
-    models = (prepared[0], prepared[1] if half == 2 else None, ref)
-    optimizers = (prepared[half], prepared[3] if half == 2 else None)
-    metrics, skipped = train.update(cfg, accelerator, models, optimizers, dict(batch), kl_ctrl, step=3, timer=Timer())
+    metrics, skipped = sgd_update(cfg, accelerator, actor, critic, ref, dict(batch), kl_ctrl)
 
     assert skipped == 0
     assert ("critic/vf_loss" in metrics) == (critic is not None)
@@ -298,6 +305,105 @@ def test_update_reaches_the_weights_of_the_reference_ppo(setup_run, case):
             error = min(max(current / 0.01 - 1, -0.2), 0.2)
             assert kl_ctrl.value == pytest.approx(0.5 * (1 + error * cfg.data.train_batch_size / 40), rel=1e-6)
             assert kl_ctrl.value != 0.5
+
+
+def test_old_logprobs_come_from_the_pass_only_where_nothing_else_has_them():
+    """ppo.old_logprobs_source over the configurations that decide it (defaults: the KL panel on, k1 in the
+    reward, one epoch of 4 mini-batches), without and with the sampler's log-probs kept."""
+    quiet, no_reward, on_policy = "trainer.log_kl_panel=false", "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=64"
+    cases = [  # overrides, source without / with the sampler's log-probs, whether the rollout computes the exact KL
+        ([], "pass", "pass", True),  # the panel's kl/full needs the actor's logits
+        ([quiet], "pass", "sampler", False),  # k1 in the reward: needed before the update
+        ([quiet, no_reward], "pass", "sampler", False),  # 4 optimizer steps: the tokens go off-policy
+        ([quiet, no_reward, on_policy], "update", "update", False),
+        ([quiet, no_reward, on_policy, "actor.use_kl_loss=true", "actor.kl_loss_type=full"], "update", "update", False),
+        ([quiet, no_reward, on_policy, "actor.recompute_old_logprobs=always"], "pass", "pass", False),
+        ([quiet, no_reward, on_policy, "actor.ppo_epochs=2"], "pass", "sampler", False),
+        ([quiet, on_policy], "pass", "sampler", False),
+        ([quiet, on_policy, "algorithm.kl_penalty=full"], "pass", "pass", True),  # the reward's exact KL
+    ]
+    for overrides, without, with_sampler, full in cases:
+        cfg = load_config(None, overrides)
+        assert (ppo.old_logprobs_source(cfg), ppo.old_logprobs_source(cfg, True)) == (without, with_sampler), overrides
+        assert ppo.needs_rollout_full_kl(cfg) == full, overrides
+    default = load_config(None, [])
+    assert ppo.keeps_sampler_logprobs(default, "no") and not ppo.keeps_sampler_logprobs(default, "bf16")
+    assert not ppo.keeps_sampler_logprobs(load_config(None, ["model.dtype=bfloat16"]), "no")
+    assert ppo.keeps_sampler_logprobs(load_config(None, ["rollout.logprobs_from_sampler=true"]), "bf16")
+    assert not ppo.keeps_sampler_logprobs(load_config(None, ["rollout.logprobs_from_sampler=false"]), "no")
+
+
+ON_POLICY = {  # one epoch of one mini-batch of 8 (grpo: 16) responses in micro-batches of 2, no reward KL, no panel
+    "grpo": ["algorithm.adv_estimator=grpo", "rollout.n=2", "actor.use_kl_loss=true", "actor.kl_loss_type=k3",
+             "actor.kl_loss_off_policy_correction=true", "actor.kl_loss_coef=5.0"],
+    "gae": ["actor.use_kl_loss=true", "actor.kl_loss_type=k3+", "actor.entropy_coeff=0.05"],
+}
+
+
+@pytest.mark.parametrize("case", ON_POLICY)
+def test_an_exactly_on_policy_update_needs_no_old_logprob_pass(setup_run, case):
+    """Without the old-log-prob pass (the update's own log-probs, detached, are the old ones) the update reaches
+    the weights, old log-probs and metrics it reaches with the pass, and the reference PPO's weights."""
+    cfg, accelerator, (actor, critic, ref), tokenizer, rows, sampled = setup_run(
+        *ON_POLICY[case], "actor.ppo_epochs=1", "actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=false",
+        "trainer.log_kl_panel=false", "rollout.logprobs_from_sampler=false")
+    always = copy.deepcopy(cfg)
+    always.actor.recompute_old_logprobs = "always"
+    assert (ppo.old_logprobs_source(cfg), ppo.old_logprobs_source(always)) == ("update", "pass")
+    kl_ctrl = kl.build_kl_controller("fixed", 0.5, 0.1, 1)
+    runs = {}
+    for name, c in (("skip", cfg), ("pass", always)):
+        timer = Timer()
+        torch.manual_seed(7)
+        batch = train.rollout(c, accelerator, (actor, critic, ref), tokenizer, rows, timer)
+        batch.update(group_ids=sampled["group_ids"], scores=sampled["scores"])
+        assert ("old_logprobs" in batch) == ("timing_s/old_log_prob" in timer.metrics()) == (name == "pass")
+        learned = copy.deepcopy(actor), copy.deepcopy(critic)
+        metrics, skipped = sgd_update(c, accelerator, *learned, ref, batch, kl_ctrl)
+        assert skipped == 0
+        metrics.update(train.batch_metrics(c, accelerator, batch, tokenizer.eos_token_id))
+        runs[name] = batch, learned, metrics
+    (skip, skip_models, skip_metrics), (full, pass_models, pass_metrics) = runs["skip"], runs["pass"]
+    assert torch.equal(skip["response_ids"], full["response_ids"])
+    torch.testing.assert_close(skip["old_logprobs"], full["old_logprobs"])  # the update's own, at the rollout's weights
+    expected = copy.deepcopy(actor), copy.deepcopy(critic)
+    reference_update(always, *expected, ref, full, kl_ctrl.value, step=3)
+    for start, model, with_pass, reference in zip((actor, critic), skip_models, pass_models, expected):
+        if start is not None:
+            assert (weights(with_pass) - weights(start)).abs().max() > 1e-4
+            torch.testing.assert_close(weights(model), weights(with_pass), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(weights(model), weights(reference), rtol=1e-5, atol=1e-6)
+    assert skip_metrics.keys() == pass_metrics.keys()
+    for key, value in pass_metrics.items():
+        assert skip_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert skip_metrics["actor/ppo_kl"] == 0 and skip_metrics["actor/importance_ratio/max"] == 1  # exactly
+    two_epochs = copy.deepcopy(cfg)  # a forward after an optimizer step is not at the rollout's weights
+    two_epochs.actor.ppo_epochs = 2
+    without = {key: value for key, value in skip.items() if key != "old_logprobs"}
+    with pytest.raises(ValueError, match="not exactly on-policy"):
+        sgd_update(two_epochs, accelerator, copy.deepcopy(actor), None, ref, without, kl_ctrl)
+
+
+def test_the_sampler_logprobs_are_the_old_ones_or_are_compared_with_them(setup_run):
+    """rollout.logprobs_from_sampler: with the pass (the KL panel on) both are kept and their mismatch logged, in
+    float32 float noise; where only the sampler's are needed (two epochs, no panel) they are the old ones."""
+    cfg, accelerator, models, tokenizer, rows, batch = setup_run("rollout.logprobs_from_sampler=true")
+    assert "rollout_logprobs" in batch and "old_logprobs" in batch
+    torch.testing.assert_close(batch["rollout_logprobs"], batch["old_logprobs"], rtol=0, atol=1e-4)
+    batch["token_rewards"] = ppo.token_rewards(batch["scores"], batch["response_mask"])
+    batch["advantages"] = batch["returns"] = torch.zeros(batch["response_mask"].shape)
+    metrics = train.batch_metrics(cfg, accelerator, batch, tokenizer.eos_token_id)
+    assert 0 < metrics["rollout/logprob_abs_diff/max"] < 1e-4 and 0 <= metrics["rollout/logprob_mismatch_kl"] < 1e-9
+    timer = Timer()
+    torch.manual_seed(3)
+    cfg.trainer.log_kl_panel = False
+    sampled = train.rollout(cfg, accelerator, models, tokenizer, rows, timer)
+    assert ppo.old_logprobs_source(cfg, True) == "sampler" and "rollout_logprobs" not in sampled
+    assert "timing_s/old_log_prob" not in timer.metrics() and "full_kl" not in sampled
+    with torch.no_grad():
+        recomputed = logprobs_and_logits(models[0], sampled, cfg.rollout.temperature)[0]
+    mask = sampled["response_mask"].bool()
+    torch.testing.assert_close(sampled["old_logprobs"][mask], recomputed[mask], rtol=0, atol=1e-4)
 
 
 def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup_run):

@@ -9,6 +9,7 @@ import torch
 from helpers import tiny_qwen2
 from transformers import GenerationConfig
 
+from rlhf.ppo import logprob_mismatch
 from rlhf.rollout import (SamplingParams, build_batch, generate, left_pad, logprobs_and_logits, next_token,
                           response_mask_from_ids)
 
@@ -227,3 +228,36 @@ def test_every_eos_id_of_the_generation_config_ends_a_response_and_a_sampled_pad
     model.generation_config.eos_token_id = None
     kept = generate(model, pad_only, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=12, greedy=True))
     assert kept["response_ids"][0, at] == second and kept["response_mask"][0, : at + 2].tolist() == [1] * (at + 2)
+
+
+def test_sampler_logprobs_are_those_of_the_unfiltered_distribution_at_the_temperature():
+    """return_logprobs: each sampled token's log-prob under softmax(logits / T) before top-k (the same
+    quantity the trainer's forward computes: equal to float rounding, in float32), 0 after the response;
+    not the top-k-renormalised log-prob the token was drawn with."""
+    model = tiny_model(vocab_size=64)
+    prompt_ids, prompt_mask = left_pad([[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]] * 4, PAD)
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=5)
+    torch.manual_seed(0)
+    batch = generate(model, FakeTokenizer, prompt_ids, prompt_mask, params, return_logprobs=True)
+    mask = batch["response_mask"].bool()
+    assert not mask.all()  # some responses ended at an EOS
+    with torch.no_grad():
+        logprobs, logits = logprobs_and_logits(model, batch, 0.7)
+    torch.testing.assert_close(batch["rollout_logprobs"][mask], logprobs[mask], rtol=0, atol=1e-5)
+    assert (batch["rollout_logprobs"][~mask] == 0).all()
+    top5 = (logits / 0.7).topk(5, dim=-1).values.logsumexp(-1)  # the normaliser over the top-k alone
+    renormalised = logits.gather(-1, batch["response_ids"][..., None])[..., 0] / 0.7 - top5
+    assert (batch["rollout_logprobs"][mask] < renormalised[mask] - 1e-3).all()
+    assert "rollout_logprobs" not in generate(model, FakeTokenizer, prompt_ids, prompt_mask, params)
+
+
+def test_logprob_mismatch_is_k3_over_valid_tokens_and_the_largest_difference():
+    rollout = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -9.0, -9.0]])
+    recomputed = torch.tensor([[-1.0, -2.1, -2.8], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])  # the large differences of row 1 are padding
+    d = torch.tensor([0.0, 0.1, -0.2, 0.0])  # rollout - recomputed on the valid tokens
+    metrics = logprob_mismatch(rollout, recomputed, mask)
+    assert metrics["rollout/logprob_mismatch_kl"] == pytest.approx((torch.exp(-d) - 1 + d).mean().item())
+    assert metrics["rollout/logprob_abs_diff/max"] == pytest.approx(0.2)
+    assert logprob_mismatch(rollout, rollout, mask) == {"rollout/logprob_mismatch_kl": 0.0,
+                                                        "rollout/logprob_abs_diff/max": 0.0}
