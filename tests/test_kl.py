@@ -361,10 +361,16 @@ def test_monte_carlo_means_match_exact_values():
         assert abs(sample_mean - exact) <= 5 * std / math.sqrt(num_samples), name
 
 
-def test_demo_prints_the_report():
-    """`python -m rlhf.kl`, as a user runs it; a fresh interpreter also shows that rlhf.kl imports alone."""
-    out = subprocess.run([sys.executable, "-m", "rlhf.kl"], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+@pytest.fixture(scope="module")
+def demo_output() -> str:
+    """`python -m rlhf.kl`, as a user runs it, once for the tests that read it; a fresh interpreter also
+    shows that rlhf.kl imports alone."""
+    return subprocess.run([sys.executable, "-m", "rlhf.kl"], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+
+
+def test_demo_prints_the_report(demo_output):
+    out = demo_output
     for number in ("0.244174", "0.209427", "0.558366", "0.311199", "0.456435", "+0.224486, -0.018556"):
         assert number in out
     k3_plus_row = next(line for line in out.splitlines() if line.strip().startswith("k3+"))
@@ -596,9 +602,8 @@ def test_old_logprob_half_inputs(name, dtype):
     assert not torch.equal(out, kl_penalty(lp, ref, name))  # the weight is applied
 
 
-def test_demo_prints_the_off_policy_table():
-    out = subprocess.run([sys.executable, "-m", "rlhf.kl"], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+def test_demo_prints_the_off_policy_table(demo_output):
+    out = demo_output
     section = out[out.index("Example C (off-policy)"):]
     assert "pi_old = (0.4, 0.3, 0.2, 0.1)" in section and "+0.224486, -0.018556" in section
     # estimator, rho, uncorrected cos/err, corrected cos/err, other rho cos/err, E_old[k], E_old[rho k], E_pi[k]
@@ -851,3 +856,10 @@ def test_canonical_names(name, expected):
 def test_canonical_refuses_unknown_names():
     with pytest.raises(ValueError, match="valid names"):
         canonical("k4")
+
+
+def test_demo_prints_the_fixed_points_and_the_frameworks_table(demo_output):
+    from rlhf.kl.fixed_points import fixed_point_report
+    from rlhf.kl.peers import peer_report
+
+    assert fixed_point_report() in demo_output and peer_report() in demo_output

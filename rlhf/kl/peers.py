@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.kl.estimators import kl_penalty
+from rlhf.kl.fixed_points import argmax_optimum, bandit_fixed_point, forward_kl_optimum, reverse_kl_optimum
 from rlhf.kl.theory import OFF_POLICY_EXAMPLES, divergence_grad, example, forward_kl, off_policy_example, reverse_kl
 
 PLACEMENTS = ("reward", "loss")
@@ -243,8 +244,6 @@ def bandit() -> tuple[torch.Tensor, torch.Tensor, float]:
 
 def peer_fixed_point(peer: PeerDefault) -> torch.Tensor:
     """Where `peer`'s setting stops on bandit() (K,): bandit_fixed_point of its on_policy_equivalent."""
-    from rlhf.kl.fixed_points import bandit_fixed_point
-
     estimator, placement = on_policy_equivalent(peer)
     ref_probs, rewards, beta = bandit()
     return bandit_fixed_point(ref_probs, rewards, beta, estimator, placement)
@@ -255,8 +254,6 @@ def fixed_point_verdict(
 ) -> str:
     """Which analytic optimum of rlhf.kl.fixed_points `probs` is (to atol): 'reverse-KL optimum', 'forward-KL
     optimum', 'argmax' (all mass on the best arm, as with no KL at all), else 'other, max|pi - reverse opt| = ..'."""
-    from rlhf.kl.fixed_points import argmax_optimum, forward_kl_optimum, reverse_kl_optimum
-
     candidates = {
         "reverse-KL optimum": reverse_kl_optimum(ref_probs, rewards, beta),
         "forward-KL optimum": forward_kl_optimum(ref_probs, rewards, beta),
@@ -273,14 +270,10 @@ def peer_cells(peer: PeerDefault) -> dict[str, str]:
     """The table's computed cells for `peer`: on_policy (example A), off_policy (example C), fixed_point."""
     logits, ref_probs = example("A")
     c_logits, c_ref, c_old = off_policy_example("C")
-    try:
-        fixed_point = fixed_point_verdict(peer_fixed_point(peer), *bandit())
-    except ImportError:
-        fixed_point = "pending"
     return {
         "on_policy": verdict(peer_kl_grad(peer, logits, ref_probs), logits, ref_probs),
         "off_policy": verdict(peer_kl_grad(peer, c_logits, c_ref, c_old), c_logits, c_ref),
-        "fixed_point": fixed_point,
+        "fixed_point": fixed_point_verdict(peer_fixed_point(peer), *bandit()),
     }
 
 
