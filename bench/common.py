@@ -302,15 +302,16 @@ class OursSide:
         self.num_steps = 0
         self.last_metrics: dict[str, float] = {}
 
-    def step(self, log_kl_panel: bool = True, timer: PhaseTimer | None = None) -> dict[str, float]:
-        """One `train.train_step`: {"step": wall s, each timer phase's s, "gen_synced": the "gen" phase}."""
+    def step(self, log_kl_panel: bool = True, timer: PhaseTimer | None = None, cfg=None) -> dict[str, float]:
+        """One `train.train_step` with `cfg` (a variant of `cfg_panel` on the same models), else `cfg_panel` or
+        `cfg_minimal`: {"step": wall s, each timer phase's s, "gen_synced": the "gen" phase}."""
         from train import train_step
 
         timer = timer or PhaseTimer(self.actor)
+        cfg = cfg or (self.cfg_panel if log_kl_panel else self.cfg_minimal)
         self.num_steps += 1
         start = time.perf_counter()
-        metrics, _, _ = train_step(self.cfg_panel if log_kl_panel else self.cfg_minimal, self.accelerator,
-                                   self.run, self.num_steps, timer)
+        metrics, _, _ = train_step(cfg, self.accelerator, self.run, self.num_steps, timer)
         sync()
         seconds = time.perf_counter() - start
         self.last_metrics = metrics

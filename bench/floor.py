@@ -1,16 +1,23 @@
-"""The floor of bench/ppo_step.py: the model passes of one PPO step on the workload, done bare (plain torch +
+"""The floors of the benchmarks: the model passes of one step on the workload, done bare (plain torch +
 transformers, no accelerate, no metrics), what our trainer's step is compared with.
 
-A step: RESPONSE_LENGTH tokens sampled with a bare KV-cache loop (one forward per token,
-`torch.multinomial`); the old-policy, reference and critic forwards without grad; two mini-batches of actor
-and critic forward+backward with the simplest losses, each followed by a fused AdamW step per model.
+`FloorSide`, bench/ppo_step.py's: RESPONSE_LENGTH tokens sampled with a bare KV-cache loop (one forward per
+token, `torch.multinomial`); the old-policy, reference and critic forwards without grad; two mini-batches of
+actor and critic forward+backward with the simplest losses, each followed by a fused AdamW step per model.
+
+`GroupFloorSide`, bench/grpo_step.py's: the passes of an exactly on-policy GRPO step with a KL loss, as TRL's
+GRPOTrainer and ours (actor.recompute_old_logprobs=auto) run them: the GROUP_PROMPTS prompts x N sampled with
+the same loop, the reference forward without grad, one forward+backward of the actor over all NUM_RESPONSES
+sequences and one fused AdamW step. No old-policy forward (the update's own log-probs are the old ones) and
+no critic.
 """
 
 from __future__ import annotations
 
 import time
 
-from common import LR, MINI_BATCH, RESPONSE_LENGTH, SEED, load_workload, sync  # first: sets the environment
+# bench/common.py first: it sets the environment before torch loads.
+from common import LR, MINI_BATCH, N, RESPONSE_LENGTH, SEED, load_group_workload, load_workload, sync
 
 import torch
 
@@ -22,22 +29,26 @@ class FloorSide:
     name = "floor (bare passes)"
 
     def __init__(self, workdir: str, gpu: bool):
+        model_dir, tokenizer, prompts = load_workload(workdir)
+        self._load(model_dir, tokenizer, prompts["input_ids"], gpu, with_critic=True)
+
+    def _load(self, model_dir: str, tokenizer, rows: list[list[int]], gpu: bool, with_critic: bool) -> None:
+        """The models (`with_critic`: and the critic), their fused AdamW and the left-padded prompt rows."""
         from rlhf.models import load_causal_lm, load_critic
         from rlhf.rollout import kv_cache_name, left_pad
 
-        model_dir, tokenizer, prompts = load_workload(workdir)
         torch.manual_seed(SEED)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # where accelerate puts the other sides
         self.bf16 = gpu
         self.actor = load_causal_lm(model_dir).eval().to(self.device)
-        self.critic = load_critic(model_dir).eval().to(self.device)
+        self.critic = load_critic(model_dir).eval().to(self.device) if with_critic else None
         self.ref = load_causal_lm(model_dir).eval().requires_grad_(False).to(self.device)
         self.cache_name = kv_cache_name(self.actor)  # `past_key_values` or, from transformers 5.24, `cache`
         # The fastest AdamW on this device, as the trainer and TRL's side use.
         self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=LR, weight_decay=0.0, fused=True)
-        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=LR, weight_decay=0.0, fused=True)
-        self.prompt_ids, self.prompt_mask = (t.to(self.device) for t in left_pad(prompts["input_ids"],
-                                                                                tokenizer.pad_token_id))
+        self.critic_opt = (torch.optim.AdamW(self.critic.parameters(), lr=LR, weight_decay=0.0, fused=True)
+                           if with_critic else None)
+        self.prompt_ids, self.prompt_mask = (t.to(self.device) for t in left_pad(rows, tokenizer.pad_token_id))
 
     def _sample(self):
         """(B, P+R): RESPONSE_LENGTH tokens sampled through the KV cache, one forward per token."""
@@ -98,4 +109,31 @@ class FloorSide:
             for opt in (self.actor_opt, self.critic_opt):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+        lap("update")
+
+
+class GroupFloorSide(FloorSide):
+    """The model passes of one on-policy GRPO step with a KL loss, done bare (see the module docstring): the
+    sampling loop and `_logprobs` of `FloorSide`, without its critic and old-policy forward."""
+
+    def __init__(self, workdir: str, gpu: bool):
+        model_dir, tokenizer, prompts = load_group_workload(workdir)
+        rows = [ids for ids in prompts["input_ids"] for _ in range(N)]  # each prompt's group, side by side
+        self._load(model_dir, tokenizer, rows, gpu, with_critic=False)
+
+    def _passes(self, lap) -> None:
+        from rlhf.rollout import position_ids_from_mask
+
+        with torch.no_grad():
+            sequences = self._sample()  # (B, P+R), B = NUM_RESPONSES
+            lap("gen")
+            response_ids = sequences[:, self.prompt_ids.shape[1]:]  # (B, R)
+            attention_mask = torch.cat([self.prompt_mask, torch.ones_like(response_ids)], dim=1)
+            inputs = dict(input_ids=sequences, attention_mask=attention_mask,
+                          position_ids=position_ids_from_mask(attention_mask))
+            self._logprobs(self.ref, inputs, response_ids)  # (B, R)
+            lap("ref")
+        (-self._logprobs(self.actor, inputs, response_ids).mean()).backward()
+        self.actor_opt.step()
+        self.actor_opt.zero_grad(set_to_none=True)
         lap("update")

@@ -1,7 +1,7 @@
 """One PPO step of our trainer (`train.train_step`) against TRL's PPOTrainer on identical work, and
 against the floor (the same model passes done bare).
 
-    pip install -r requirements-bench.txt       # TRL 0.29.1, the last release with its PPOTrainer
+    pip install -r requirements-bench.txt       # TRL 0.29.1 (PPOTrainer is gone from TRL 1.13 on)
     python bench/ppo_step.py                    # a few minutes on 2 cores; the last line is key=value
     python bench/ppo_step.py --iters 9 --profile ours   # plus a torch.profiler table of our step
     python bench/ppo_step.py --gpu              # Qwen2.5-0.5B-shaped models, bf16 autocast, CUDA
