@@ -5,10 +5,10 @@
         actor.use_kl_loss=true actor.kl_loss_type=k3+ trainer.total_steps=200
 
 One step reads like the algorithm (`train_step`):
-    rollout (sample rollout.n responses per prompt; old, reference log-probs, exact KL, values) -> score
-    (GSM8K rule) -> KL (into the reward and/or the loss) -> advantages (GAE whitened, or grpo / rloo over
-    each prompt's group) -> PPO epochs (clipped actor loss, clipped critic loss when there is a critic)
-    -> adaptive KL coefficient -> log; `main` adds evaluation and checkpoints.
+    rollout (sample rollout.n responses per prompt; old log-probs where needed, reference log-probs, exact
+    KL, values) -> score (GSM8K rule) -> KL (into the reward and/or the loss) -> advantages (GAE whitened, or
+    grpo / rloo over each prompt's group) -> PPO epochs (clipped actor loss, clipped critic loss when there
+    is a critic) -> adaptive KL coefficient -> log; `main` adds evaluation and checkpoints.
 Building the run is `rlhf/setup.py`; the glue's decisions are small functions in `rlhf/ppo.py`, the math
 in `rlhf/kl` and `rlhf/core_algos.py`, the split of the work over processes in `rlhf/processes.py`.
 
