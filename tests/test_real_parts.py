@@ -2,7 +2,7 @@
 data path with it (prompts, their lengths, decode -> score), and, marked `slow`, SmolLM2-135M-Instruct
 converted from its GGUF and trained for one step.
 
-    python -m pytest -q tests/test_real_parts.py            # the tokenizer and data path (~15 s)
+    python -m pytest -q tests/test_real_parts.py            # tokenizer, data path: ~5 CPU-s past imports
     python -m pytest -q -m slow tests/test_real_parts.py    # + SmolLM2: conversion, critic, one PPO step
 
 The tokenizer is built once per session into a temporary directory; TRL 1.16's wheel (for the chat template)
