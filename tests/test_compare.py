@@ -727,12 +727,17 @@ def test_report_opens_with_the_claims_table(claim_grid):
     assert os.path.getsize(png) > 50_000
 
 
-def test_claim_b_says_where_k1_in_the_loss_ends_when_that_resolves(claim_grid):
-    # k1 in the loss 0.3 above no KL in every seed: above each of (a), and above no KL (resolved too).
+@pytest.mark.parametrize("above, verdict, share", [
+    (0.3, "resolved: above no KL", "47%"),
+    (0.7, "resolved: above no KL, by more than (a)'s smallest difference: not small", "111%"),
+])
+def test_claim_b_says_where_k1_in_the_loss_ends_when_that_resolves(claim_grid, above, verdict, share):
+    # k1 in the loss `above` no KL in every seed: above each of (a), and above no KL (resolved too); by 0.7
+    # it moves the KL more than (a)'s smallest difference (k3's, -0.633) does.
     for i, seed in enumerate((1, 2, 3)):
-        level = CLAIM_LEVELS["no-kl"][i] + 0.3
+        level = CLAIM_LEVELS["no-kl"][i] + above
         write_run(claim_grid / "loss-k1" / f"seed{seed}", seed, claim_rows(level, level), total_steps=6,
                   actor__use_kl_loss=True, actor__kl_loss_type="k1")
     (b,) = [c for c in compare.claims(compare.group_runs(compare.load_runs(str(claim_grid)))) if c.name == "(b)"]
-    assert b.verdict == "resolved: above no KL"
-    assert b.effect == "+0.300 ± 0.000 (3 seeds); 47% of (a)'s smallest (loss:k3: -0.633)"
+    assert b.verdict == verdict
+    assert b.effect == f"+{above:.3f} ± 0.000 (3 seeds); {share} of (a)'s smallest (loss:k3: -0.633)"

@@ -132,8 +132,11 @@ def small_claim(groups: dict[str, Group]) -> Claim:
     if any(excludes_zero(d) and d.mean < 0 for d in above):
         result = "contradicted"
     elif not pending:  # and where k1 in the loss itself ends, when that resolves
-        result = "resolved" + ("" if not excludes_zero(own) else
-                               ": above no KL" if own.mean > 0 else ": below no KL, less than (a)'s runs")
+        result = "resolved"
+        if excludes_zero(own) and own.mean < 0:
+            result += ": below no KL, by less than (a)'s runs"
+        elif excludes_zero(own):
+            result += ": above no KL" + (", by more than (a)'s smallest difference: not small" if share > 1 else "")
     else:  # the seeds the hardest of the pending differences needs (None: it would never resolve)
         result = unresolved(max(pending, key=lambda d: seeds_needed(d) or MAX_SEEDS_ESTIMATE + 2))
     return Claim("(b)", text, measure, effect, result, own)

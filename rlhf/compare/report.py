@@ -107,7 +107,8 @@ def _claims_text() -> list[str]:
         "mean and the spread of the per-seed differences stayed as observed (the smallest N with "
         "t(N−1)·sd/√N < |mean|; the sd of a few seeds is itself noisy); *measured*: no direction claimed. "
         "(b) is resolved when k1 in the loss ends above each of (a)'s runs (each paired interval above 0), "
-        "and says where it ends against no KL when that resolves too; "
+        "and says where it ends against no KL when that resolves too (*not small*: it moves the KL by more "
+        "than the smallest of (a)'s differences); "
         "(e) compares every logged number but the KL loss's own value and the clocks.",
     ]
 
