@@ -167,8 +167,8 @@ def identical_claim(groups: dict[str, Group], a: str = "loss:k2", b: str = "loss
     if not seeds:
         return Claim("(e)", text, measure, "n/a", "not measured (no common seeds)")
     steps = len(runs_a[seeds[0]].rows)
-    return Claim("(e)", text, measure, f"{compared} values equal ({len(seeds)} seeds × {steps} logged steps)",
-                 "resolved")
+    seeds_text = f"{len(seeds)} seed" + ("s" if len(seeds) > 1 else "")
+    return Claim("(e)", text, measure, f"{compared} values equal ({seeds_text} × {steps} logged steps)", "resolved")
 
 
 def claims(groups: list[Group]) -> list[Claim]:

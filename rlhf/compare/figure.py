@@ -147,7 +147,7 @@ def plot_report(groups: list[Group], results: list[Claim], path: str, title: str
                        dict(color=colour, linestyle="-", marker="."), f"Δ {key}")
         middle[5].legend(fontsize=9)
     middle[5].axhline(0.0, color="black", linestyle=":", linewidth=1)
-    _finish(middle[5], "Crossover: k3 in the loss minus k3+, same seed", "Δ KL (nats per token)")
+    _finish(middle[5], "Crossover: loss:k3 − loss:k3+, same seed", "Δ KL (nats per token)")
     for ax, estimator in zip(bottom, PANEL_ESTIMATORS):
         for group in groups:
             rows = [r for run in group.runs for r in run.rows

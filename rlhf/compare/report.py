@@ -89,6 +89,11 @@ def _common(runs: list[Run], getter) -> str:
     return values[0] if len(values) == 1 else "differs: " + ", ".join(values)
 
 
+def _coefficients(reward: float, loss: float) -> str:
+    """`0.1` when the reward's and the loss's coefficient are one number (the grid's), else `0.1 (reward), 0.2 (loss)`."""
+    return f"{reward}" if reward == loss else f"{reward} (reward), {loss} (loss)"
+
+
 def _seeds_text(groups: list[Group]) -> str:
     """`seed 42` or `seeds 42, 43, 44` (all the seeds any run used)."""
     seeds = sorted({s for g in groups for s in g.seeds})
@@ -129,7 +134,7 @@ def _explanation(groups: list[Group], coef: str) -> list[str]:
         if any(g.label == REFERENCE for g in groups) else
         f"No `{REFERENCE}` run, so no differences to it are shown.")
     return [
-        f"KL coefficient (reward, loss): {coef}; `rollout.paired_noise`: {paired_noise}. All KL numbers are "
+        f"KL coefficient: {coef}; `rollout.paired_noise`: {paired_noise}. All KL numbers are "
         "per-token means in nats over the sampled response tokens: exact KL = `kl/full`, the full-vocabulary "
         "reverse KL(π‖π_ref); forward KL = `kl/full_forward`, KL(π_ref‖π) on the same tokens.",
         "",
@@ -170,7 +175,7 @@ def write_report(directory: str, status: dict[str, str] | None = None) -> tuple[
     groups = group_runs(runs)
     results = claims(groups)
     steps = _common(runs, lambda c: c["trainer"]["total_steps"])
-    coef = _common(runs, lambda c: (c["algorithm"]["kl_ctrl"]["kl_coef"], c["actor"]["kl_loss_coef"]))
+    coef = _common(runs, lambda c: _coefficients(c["algorithm"]["kl_ctrl"]["kl_coef"], c["actor"]["kl_loss_coef"]))
     lr = _common(runs, lambda c: c["actor"].get("lr"))
     model = _common(runs, lambda c: c["model"]["path"])
     title = (f"KL estimators × placement: {len(groups)} runs, model {model}, {steps} PPO steps, "
