@@ -375,24 +375,36 @@ def measure_memory(script: str, side_name: str, workdir: str, threads: int, gpu:
 # ----------------------------------------------------------------------------- rounds and their medians
 
 
+# What a step's result holds besides its timer phases: the wall time, the synchronised generation time and
+# the process's CPU time over the step (all its threads: TRL's training thread too).
+STEP_KEYS = ("step", "gen_synced", "cpu_s")
+
+
 def interleaved_rounds(sides: list[tuple[str, object]], warmup: int, iters: int) -> dict[str, list[dict]]:
     """`warmup` untimed steps of every side, then `iters` rounds of one step each, the order rotating so no side
-    always goes first; each side's step results in order, a line printed per round."""
+    always goes first; each side's step results in order, with the step's CPU time ("cpu_s"), a line printed
+    per round.
+
+    On a CPU shared with other jobs the wall time of a step grows with the load, unevenly; the process's CPU
+    time counts the work done and the time spent waiting at the sides' own synchronisation points only."""
     for _ in range(warmup):
         for _, side in sides:
             side.step()
     times: dict[str, list[dict[str, float]]] = {key: [] for key, _ in sides}
     for r in range(iters):
         for key, side in sides[r % len(sides):] + sides[:r % len(sides)]:
+            cpu = time.process_time()
             times[key].append(side.step())
-        print(f"round {r + 1}/{iters}: " + ", ".join(f"{k} {times[k][-1]['step']:.3f}s" for k, _ in sides),
-              flush=True)
+            times[key][-1]["cpu_s"] = time.process_time() - cpu
+        last = {k: times[k][-1] for k, _ in sides}
+        print(f"round {r + 1}/{iters}: " + ", ".join(f"{k} {t['step']:.3f}s (cpu {t['cpu_s']:.3f})"
+                                                     for k, t in last.items()), flush=True)
     return times
 
 
-def paired(times: dict[str, list[dict]], a: str, b: str) -> float:
-    """Median over rounds of side a's step time / side b's in the same round."""
-    return statistics.median(x["step"] / y["step"] for x, y in zip(times[a], times[b]))
+def paired(times: dict[str, list[dict]], a: str, b: str, key: str = "step") -> float:
+    """Median over rounds of side a's step time (or `key`: "cpu_s") / side b's in the same round."""
+    return statistics.median(x[key] / y[key] for x, y in zip(times[a], times[b]))
 
 
 def median_phase(steps: list[dict], keys) -> float:
@@ -402,8 +414,7 @@ def median_phase(steps: list[dict], keys) -> float:
 
 def median_untimed(steps: list[dict]) -> float:
     """Median over steps of the time outside every timed phase."""
-    return statistics.median(t["step"] - sum(v for k, v in t.items() if k not in ("step", "gen_synced"))
-                             for t in steps)
+    return statistics.median(t["step"] - sum(v for k, v in t.items() if k not in STEP_KEYS) for t in steps)
 
 
 def print_versions_and_load(trl, transformers, device) -> None:

@@ -255,8 +255,19 @@ def print_report(r: Result) -> None:
           f"{med['ours'] / med['trl']:.3f}); with the old-log-prob pass {paired(times, 'always', 'trl'):.3f}")
     print(f"overhead ours/floor       {overhead:.3f}   (target <= 1.05; ratio of medians "
           f"{med['ours'] / med['floor']:.3f})")
+    low = {k: min(t["step"] for t in v) for k, v in times.items()}  # the load only adds time
+    print(f"ratios of the fastest steps: ours/TRL {low['ours'] / low['trl']:.3f}, ours/floor "
+          f"{low['ours'] / low['floor']:.3f}, with the old-log-prob pass/TRL {low['always'] / low['trl']:.3f}")
     print(f"old-log-prob pass skipped {saving:.1%} of the step with it (per-round); KL panel on / off "
           f"{paired(times, 'panel', 'ours'):.3f}; GAE / GRPO {gae_over_grpo:.3f}")
+    cpu = {k: statistics.median(t["cpu_s"] for t in v) for k, v in times.items()}
+    cpu_ratio, cpu_overhead = paired(times, "ours", "trl", "cpu_s"), paired(times, "ours", "floor", "cpu_s")
+    if not r.on_gpu:  # on a GPU the CPU time is not the work
+        print("CPU time of a step (the process's, all threads), median s: "
+              + ", ".join(f"{k} {cpu[k]:.3f}" for k in ROWS))
+        print(f"  per-round ratios: ours/TRL {cpu_ratio:.3f}, ours/floor {cpu_overhead:.3f}, with the old-log-prob "
+              f"pass/TRL {paired(times, 'always', 'trl', 'cpu_s'):.3f}, pass skipped "
+              f"{1 - 1 / paired(times, 'always', 'ours', 'cpu_s'):.1%}")
 
     print("\nby phase, median s (TRL's update: the step after its rollout, with its Trainer loop; other: "
           "batch building, scoring, advantages, metrics):\n" + " " * 24 + "".join(f"{k:>8}" for k in ROWS))
@@ -272,7 +283,8 @@ def print_report(r: Result) -> None:
     print(f"ours_s_per_step={med['ours']:.4f} trl_s_per_step={med['trl']:.4f} ratio={ratio:.3f} "
           f"overhead={overhead:.3f} always_s_per_step={med['always']:.4f} pass_saving={saving:.3f} "
           f"ours_peak_mb={mb('ours'):.1f} trl_peak_mb={mb('trl'):.1f} gae_s_per_step={med['gae']:.4f} "
-          f"gae_over_grpo={gae_over_grpo:.3f} gae_peak_mb={mb('gae'):.1f}")
+          f"gae_over_grpo={gae_over_grpo:.3f} gae_peak_mb={mb('gae'):.1f} cpu_ratio={cpu_ratio:.3f} "
+          f"cpu_overhead={cpu_overhead:.3f}")
 
 
 def main() -> None:

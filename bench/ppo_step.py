@@ -50,7 +50,7 @@ import tempfile
 import time
 
 # bench/common.py first: it sets the environment before torch loads and puts the repository root on sys.path.
-from common import (KL_COEF, LR, MINI_BATCH, NUM_PROMPTS, PHASES, PROMPT_WIDTH, RESPONSE_LENGTH, SEED,
+from common import (KL_COEF, LR, MINI_BATCH, NUM_PROMPTS, PHASES, PROMPT_WIDTH, RESPONSE_LENGTH, SEED, STEP_KEYS,
                     GenerationClock, OursMinimal, OursSide, PhaseTimer, build_workload, count_decode_steps,
                     count_optimizer_steps, interleaved_rounds, load_workload, measure_memory, median_phase,
                     median_untimed, our_config, paired, print_versions_and_load, start, step_memory, sync, timed)
@@ -303,7 +303,7 @@ def print_phases(times: dict[str, list[dict]], ours_s: float) -> None:
     """Our step's phases (medians and shares of `ours_s`, our median step), with the panel off and the floor's."""
     print("\nour step by phase, median s (share of our step); the same for the panel off and for the floor:")
     print(f"  {'phase':<12} {'ours':>7}           {'no panel':>8} {'floor':>7}")
-    accounted = {"step", "gen_synced"}
+    accounted = set(STEP_KEYS)
     for label, keys in PHASES:
         accounted.update(keys)
         full, lean, bare = (median_phase(times[side], keys) for side in ("ours", "minimal", "floor"))
