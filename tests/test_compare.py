@@ -209,9 +209,12 @@ def test_wandb_agent_runs_the_runners_grid(tmp_path):
 
 STUB_TRAIN = textwrap.dedent("""
     # Stands in for train.py (no torch, so it starts fast): applies the dotted overrides to a few defaults,
-    # writes config.yaml and metrics.jsonl as train.py does, and crashes in step 2 of loss:k3.
-    import json, os, sys
+    # writes config.yaml and metrics.jsonl as train.py does, and crashes in step 2 of loss:k3. It writes
+    # when it ran and its OMP_NUM_THREADS to stub.json, after sleeping STUB_SLEEP seconds.
+    import json, os, sys, time
     import yaml
+    started = time.time()
+    time.sleep(float(os.environ.get("STUB_SLEEP", "0")))
     cfg = {"model": {"path": "stub"}, "trainer": {"seed": 1}, "algorithm": {"kl_ctrl": {}}, "actor": {}}
     for item in sys.argv[3:]:  # argv: --config <file> key=value ...
         key, _, value = item.partition("=")
@@ -224,6 +227,8 @@ STUB_TRAIN = textwrap.dedent("""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.yaml"), "w") as f:
         yaml.safe_dump(cfg, f)
+    with open(os.path.join(out, "stub.json"), "w") as f:
+        json.dump({"start": started, "end": time.time(), "threads": os.environ.get("OMP_NUM_THREADS")}, f)
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 0, "val/accuracy": 0.25}) + "\\n")
         for step in range(1, total + 1):
@@ -274,6 +279,33 @@ def test_skip_done_keeps_finished_runs(stub_trainer, tmp_path):
     assert (out / "no-kl" / "train.log").stat().st_mtime_ns == before
     assert compare.main([*args, "--steps", "3", "--skip-done"]) == 0  # not finished at 3 steps: rerun
     assert compare.last_step(str(out / "no-kl")) == 3
+
+
+def test_jobs_run_at_once_after_the_first_builds_the_warm_start(stub_trainer, tmp_path, monkeypatch):
+    """--jobs 2: the first run alone while the embedded warm start is not cached, then two at a time, each
+    with half the CPU threads; the status and the report keep the grid's order."""
+    monkeypatch.setenv("STUB_SLEEP", "1.5")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    out, runs = tmp_path / "cmp", ["no-kl", "reward:k1", "loss:k2"]
+    assert compare.main(["--runs", *runs, "--steps", "1", "--jobs", "2", "--output-dir", str(out),
+                         "--cache-dir", str(tmp_path / "empty-cache"), "--no-wandb"]) == 0
+    ran = {name: json.loads((out / name / "stub.json").read_text()) for name in ("no-kl", "reward-k1", "loss-k2")}
+    assert {r["threads"] for r in ran.values()} == {"2"}
+    assert ran["no-kl"]["end"] <= min(ran["reward-k1"]["start"], ran["loss-k2"]["start"])  # alone first
+    assert ran["reward-k1"]["start"] < ran["loss-k2"]["end"] and ran["loss-k2"]["start"] < ran["reward-k1"]["end"]
+    status = compare.run_grid([compare.Arm.parse(r) for r in runs], TINY, str(out), str(tmp_path), [
+        "trainer.total_steps=1"], [], skip_done=True, jobs=2)
+    assert list(status) == runs and set(status.values()) == {"skipped"}
+
+
+def test_job_env_shares_the_threads_and_keeps_the_callers():
+    caller = {"PATH": "/bin"}
+    assert compare.job_env(caller, 1) is caller  # one job: untouched
+    two = compare.job_env(caller, 2)
+    assert two["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2)) and two["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert compare.job_env({"OMP_NUM_THREADS": "3"}, 2)["OMP_NUM_THREADS"] == "3"
+    assert compare.main(["--jobs", "0", "--runs", "no-kl"]) == 2
 
 
 # ----------------------------------------------------------------------------- the report

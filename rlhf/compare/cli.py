@@ -18,6 +18,9 @@ from rlhf.compare.report import write_report
 from rlhf.config import ConfigError, load_config
 
 
+DEFAULT_JOBS = min(2, os.cpu_count() or 1)
+
+
 def _regimes_text() -> str:
     """`separating (coefficient 0.1, 20 steps, actor.lr=2e-4), small (...)` for --help."""
     parts = []
@@ -75,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--group", default=None, help="wandb group of the runs (default: kl-estimators-<date-time>)")
     out.add_argument("--offline", action="store_true", help="wandb offline even with credentials (WANDB_MODE=offline)")
     out.add_argument("--no-wandb", action="store_true", help="no wandb at all (trainer.logger=none)")
+    out.add_argument("--jobs", type=int, default=DEFAULT_JOBS, metavar="J",
+                     help="runs at a time, each with 1/J of the CPU threads (OMP_NUM_THREADS, unless set); "
+                          "the tiny model's small matrices keep two threads from halving a step, so two runs "
+                          "of one thread finish sooner (default: %(default)s, min(2, CPUs))")
     out.add_argument("--skip-done", action="store_true",
                      help="keep runs (each seed's) in <output-dir> that already finished")
     out.add_argument("--report-only", metavar="DIR",
@@ -103,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         arms = [Arm.parse(text) for text in args.runs if "=" not in text]
         base = load_config(args.config, args.overrides)
         seeds = seed_list(base.trainer.seed if args.seed is None else args.seed, args.seeds)
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {args.jobs}.")
     except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -125,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(arms)} runs x {args.steps} steps x {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), "
           f"regime {args.regime or grid.regime} (KL coefficient {kl_coef}{''.join(' ' + o for o in regime.overrides)}), "
           f"wandb group {group}\n"
-          f"runs in {output_dir}/{layout}, embedded cache in {cache_dir}", flush=True)
+          f"runs in {output_dir}/{layout}, {args.jobs} at a time, embedded cache in {cache_dir}", flush=True)
     start = time.perf_counter()
     os.makedirs(output_dir, exist_ok=True)
-    status = run_grid(arms, config, output_dir, cache_dir, shared, extra, args.skip_done, env, seeds)
+    status = run_grid(arms, config, output_dir, cache_dir, shared, extra, args.skip_done, env, seeds, args.jobs)
     print(f"grid finished in {(time.perf_counter() - start) / 60:.1f} min")
     png, md = write_report(output_dir, status)
     print(f"report: {png}\n        {md}")

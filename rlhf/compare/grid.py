@@ -7,9 +7,10 @@ the seeds S, S+1, ..., S+N-1 (S: `--seed`, else the config's `trainer.seed`). Wi
 run writes to `<output-dir>/<run>/` (train.py's output_dir); with N > 1, seed s of a run writes to
 `<output-dir>/<run>/seed<s>/`, and the grid goes seed by seed (every run with the first seed, then every run
 with the next). A run directory left by an earlier comparison is replaced (kept with `--skip-done` if it
-finished), also one in the other layout. The runs go one after another, each a fresh `train.py` process (a
-failing run is reported, not fatal), all in one wandb group; wandb runs offline without credentials. They
-share `trainer.cache_dir`, so the embedded warm start is built once.
+finished), also one in the other layout. Each run is a fresh `train.py` process (a failing run is reported,
+not fatal), `jobs` of them at a time, each with its share of the CPU threads; all in one wandb group; wandb
+runs offline without credentials. They share `trainer.cache_dir`, so the embedded warm start is built once
+(by the first run alone, when it is not cached yet).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from rlhf.compare.labels import kl_overrides, parse_kl_tag, run_label
 from rlhf.config import load_config
+from rlhf.embedded import config_hash
 from rlhf.tracking import read_metrics
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -158,35 +161,74 @@ def grid_jobs(arms: list[Arm], seeds: list[int] | None) -> list[tuple[Arm, int |
 
 def run_grid(arms: list[Arm], config: str, output_dir: str, cache_dir: str, shared: list[str],
              extra: list[str], skip_done: bool = False, env: dict | None = None,
-             seeds: list[int] | None = None) -> dict[str, str]:
-    """Run each arm (with each of `seeds`, if several) as `python train.py --config ... overrides`, in turn.
+             seeds: list[int] | None = None, jobs: int = 1) -> dict[str, str]:
+    """Run each arm (with each of `seeds`, if several) as `python train.py --config ... overrides`, `jobs` at
+    a time.
 
-    Returns {run_key(run name, seed): "ok" | "skipped" | "failed (exit N)"}. Each run's stdout and stderr go
-    to `train.log` in its directory (run_dir); a run directory left by an earlier comparison is replaced (its
-    old checkpoints would otherwise mix with the new run's), unless `skip_done` and it already reached its
-    last step. A one-seed run left in `<output_dir>/<run>/` is removed before that run's seeds start.
+    Returns {run_key(run name, seed): "ok" | "skipped" | "failed (exit N)"}, in grid order. Each run's stdout
+    and stderr go to `train.log` in its directory (run_dir); a run directory left by an earlier comparison is
+    replaced (its old checkpoints would otherwise mix with the new run's), unless `skip_done` and it already
+    reached its last step. A one-seed run left in `<output_dir>/<run>/` is removed before that run's seeds
+    start. With `jobs` > 1 every run gets the same share of the CPU threads (job_env), so that runs that
+    are compared with each other ran with the same arithmetic, and a warm start that is not cached yet is
+    built by the first run alone.
     """
-    status = {}
-    jobs = grid_jobs(arms, seeds)
-    for i, (arm, seed) in enumerate(jobs, 1):
+    status, todo = {}, []
+    jobs_list = grid_jobs(arms, seeds)
+    for i, (arm, seed) in enumerate(jobs_list, 1):
         overrides = run_overrides(arm, output_dir, cache_dir, shared, extra, seed)
         total = load_config(config, overrides).trainer.total_steps
         directory, key = run_dir(output_dir, arm, seed), run_key(arm.name, seed)
         if seed is not None:
             _remove_one_seed_run(run_dir(output_dir, arm))
         if skip_done and last_step(directory) == total:
-            print(f"[{i}/{len(jobs)}] {key}: already has {total} steps in {directory}, skipped")
+            print(f"[{i}/{len(jobs_list)}] {key}: already has {total} steps in {directory}, skipped")
             status[key] = "skipped"
             continue
+        status[key] = "not run"
+        todo.append((f"[{i}/{len(jobs_list)}] {key}", arm, overrides, directory))
+    run_env = job_env(env, jobs)
+
+    def start(job: tuple) -> tuple[str, str]:
+        title, arm, overrides, directory = job
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
-        print(f"[{i}/{len(jobs)}] {key}: {' '.join(arm.overrides())}  (log: {directory}/train.log)", flush=True)
-        status[key] = _train(config, overrides, directory, env)
+        print(f"{title}: {' '.join(arm.overrides())}  (log: {directory}/train.log)", flush=True)
+        return title.split("] ", 1)[1], _train(config, overrides, directory, run_env, title)
+
+    if jobs > 1 and todo and not warm_start_cached(config, todo[0][2], cache_dir):
+        key, result = start(todo.pop(0))
+        status[key] = result
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for key, result in pool.map(start, todo):
+            status[key] = result
     return status
 
 
-def _train(config: str, overrides: list[str], directory: str, env: dict | None) -> str:
-    """One train.py process, logging to <directory>/train.log; returns "ok" or "failed (exit N)"."""
+def job_env(env: dict | None, jobs: int) -> dict | None:
+    """The environment of each run when `jobs` run at once: OMP_NUM_THREADS = the CPUs / jobs (at least 1;
+    one the caller set is kept) and threads that wait without spinning, which would steal the other runs'
+    cores (OMP_WAIT_POLICY=PASSIVE). With one job, `env` unchanged."""
+    if jobs <= 1:
+        return env
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return base
+
+
+def warm_start_cached(config: str, overrides: list[str], cache_dir: str) -> bool:
+    """Whether a run with these overrides finds what it loads already built: its model is not the embedded
+    default, or the embedded default's warm start is in `cache_dir` (embedded.prepare_embedded_default's key)."""
+    cfg = load_config(config, overrides)
+    if cfg.model.path != "embedded":
+        return True
+    return os.path.isdir(os.path.join(cache_dir, f"embedded-{config_hash(cfg.embedded)}"))
+
+
+def _train(config: str, overrides: list[str], directory: str, env: dict | None, title: str = "") -> str:
+    """One train.py process, logging to <directory>/train.log; returns "ok" or "failed (exit N)". `title`
+    (the run's `[i/n] name`) starts the line that says how it ended."""
     log_path = os.path.join(directory, "train.log")
     command = [sys.executable, TRAIN_PY, "--config", config, *overrides]
     start = time.perf_counter()
@@ -196,11 +238,11 @@ def _train(config: str, overrides: list[str], directory: str, env: dict | None) 
         code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     seconds = time.perf_counter() - start
     if code != 0:
-        print(f"    FAILED (exit {code}) after {seconds:.0f}s; last lines of {log_path}:\n" + _tail(log_path),
+        print(f"    {title} FAILED (exit {code}) after {seconds:.0f}s; last lines of {log_path}:\n" + _tail(log_path),
               flush=True)
         return f"failed (exit {code})"
     final = read_metrics(os.path.join(directory, "metrics.jsonl"))[-1]
-    print(f"    done in {seconds:.0f}s: kl/full={final.get('kl/full', float('nan')):.4f} "
+    print(f"    {title} done in {seconds:.0f}s: kl/full={final.get('kl/full', float('nan')):.4f} "
           f"val/accuracy={final.get('val/accuracy', float('nan')):.3f}", flush=True)
     return "ok"
 
