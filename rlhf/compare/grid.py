@@ -54,8 +54,8 @@ class Regime:
 # `separating`, the ppo grid's default: a learning rate 4x configs/tiny.yaml's, so that without a KL the
 # policy moves far from pi_ref within the run, and a coefficient 10x its, so that a KL gradient holds it
 # back by a margin three paired seeds resolve. The steps and the epochs stay at 20 and configs/tiny.yaml's
-# 2 x 2 mini-batches, so that a run costs what a `small` one does (docs/results.md, "Comparing the
-# estimators", has the pilot it was chosen from and the measured time of `--seeds 3`).
+# 2 x 2 mini-batches, so that a run costs what a `small` one does (docs/results.md, "The separating regime,
+# three seeds", has what `--seeds 3` resolves and how long it takes).
 # `small`: the configs' own learning rate and coefficient (0.01 in configs/tiny.yaml), 20 steps: the
 # policy stays so close to pi_ref that no placement's effect resolves; the grpo grid's default.
 REGIMES = {"separating": Regime(0.1, 20, ("actor.lr=2e-4",)), "small": Regime(None, 20)}
@@ -193,7 +193,7 @@ def run_grid(arms: list[Arm], config: str, output_dir: str, cache_dir: str, shar
         title, arm, overrides, directory = job
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
-        print(f"{title}: {' '.join(arm.overrides())}  (log: {directory}/train.log)", flush=True)
+        say(f"{title}: {' '.join(arm.overrides())}  (log: {directory}/train.log)")
         return title.split("] ", 1)[1], _train(config, overrides, directory, run_env, title)
 
     if jobs > 1 and todo and not warm_start_cached(config, todo[0][2], cache_dir):
@@ -238,13 +238,18 @@ def _train(config: str, overrides: list[str], directory: str, env: dict | None, 
         code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     seconds = time.perf_counter() - start
     if code != 0:
-        print(f"    {title} FAILED (exit {code}) after {seconds:.0f}s; last lines of {log_path}:\n" + _tail(log_path),
-              flush=True)
+        say(f"    {title} FAILED (exit {code}) after {seconds:.0f}s; last lines of {log_path}:\n" + _tail(log_path))
         return f"failed (exit {code})"
     final = read_metrics(os.path.join(directory, "metrics.jsonl"))[-1]
-    print(f"    {title} done in {seconds:.0f}s: kl/full={final.get('kl/full', float('nan')):.4f} "
-          f"val/accuracy={final.get('val/accuracy', float('nan')):.3f}", flush=True)
+    say(f"    {title} done in {seconds:.0f}s: kl/full={final.get('kl/full', float('nan')):.4f} "
+        f"val/accuracy={final.get('val/accuracy', float('nan')):.3f}")
     return "ok"
+
+
+def say(text: str) -> None:
+    """Print `text` and its newline in one write, so that lines of runs going at once never interleave."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def _remove_one_seed_run(directory: str) -> None:
