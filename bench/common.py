@@ -259,9 +259,9 @@ class PhaseTimer(Timer):
 # ----------------------------------------------------------------------------- our side
 
 
-def our_config(workdir: str, log_kl_panel: bool, gpu: bool):
-    """Our Config for the PPO step on the workload (no EOS stop: `rollout.ignore_eos=true`); grpo_step
-    changes the batch shape and where the KL goes."""
+def our_config(workdir: str, log_kl_panel: bool, gpu: bool, recompute: str = "auto"):
+    """Our Config for the PPO step on the workload (no EOS stop: `rollout.ignore_eos=true`), the old-log-prob
+    pass as `actor.recompute_old_logprobs=recompute`; grpo_step changes the batch shape and where the KL goes."""
     from rlhf.config import load_config
 
     overrides = [
@@ -275,7 +275,7 @@ def our_config(workdir: str, log_kl_panel: bool, gpu: bool):
         f"actor.lr={LR}", f"critic.lr={LR}", "actor.clip_ratio=0.2", "critic.cliprange_value=0.2",
         f"trainer.log_kl_panel={str(log_kl_panel).lower()}", "trainer.logger=none", f"trainer.seed={SEED}",
         f"trainer.output_dir={os.path.join(workdir, 'ours')}", "rollout.ignore_eos=true",
-        f"trainer.mixed_precision={'bf16' if gpu else 'no'}",
+        f"trainer.mixed_precision={'bf16' if gpu else 'no'}", f"actor.recompute_old_logprobs={recompute}",
     ]
     return load_config(None, overrides)
 
@@ -318,14 +318,15 @@ class OursSide:
         return {"step": seconds, **timer.seconds, "gen_synced": timer.seconds["gen"]}
 
 
-class OursMinimal:
-    """An `OursSide` stepped with `trainer.log_kl_panel=false`: only the estimator in use is computed."""
+class OursVariant:
+    """An `OursSide` stepped with another config of the same models (the KL panel off, the old-log-prob pass
+    forced): another row of the same trainer, sharing its models and optimizers."""
 
-    def __init__(self, ours: OursSide, name: str = "ours, estimator only"):
-        self.ours, self.name = ours, name
+    def __init__(self, ours: OursSide, name: str, cfg):
+        self.ours, self.name, self.cfg = ours, name, cfg
 
     def step(self) -> dict[str, float]:
-        return self.ours.step(log_kl_panel=False)
+        return self.ours.step(cfg=self.cfg)
 
 
 # ----------------------------------------------------------------------------- memory (one side per process)

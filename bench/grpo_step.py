@@ -54,9 +54,9 @@ import warnings
 
 # bench/common.py first: it sets the environment before torch loads and puts the repository root on sys.path.
 from common import (GROUP_PROMPTS, KL_COEF, LR, N, NUM_RESPONSES, PHASES, PROMPT_WIDTH, RESPONSE_LENGTH, OursSide,
-                    PhaseTimer, build_workload, count_optimizer_steps, forward_batch_sizes, interleaved_rounds,
-                    load_group_workload, measure_memory, median_phase, median_untimed, our_config, paired,
-                    print_versions_and_load, start, step_memory)
+                    OursVariant, PhaseTimer, build_workload, count_optimizer_steps, forward_batch_sizes,
+                    interleaved_rounds, load_group_workload, measure_memory, median_phase, median_untimed,
+                    our_config, paired, print_versions_and_load, start, step_memory)
 
 from floor import GroupFloorSide
 from trl_grpo import TRLGRPOSide
@@ -76,12 +76,11 @@ def group_config(workdir: str, estimator: str, log_kl_panel: bool, gpu: bool, re
         f"rollout.log_prob_micro_batch_size={NUM_RESPONSES}", "actor.ppo_epochs=1",
         f"actor.ppo_mini_batch_size={GROUP_PROMPTS}", f"actor.ppo_micro_batch_size={NUM_RESPONSES}",
         "actor.loss_agg_mode=token-mean", f"algorithm.adv_estimator={estimator}",
-        f"actor.recompute_old_logprobs={recompute}",
     ]
     if estimator == "grpo":
         overrides += ["algorithm.norm_adv_by_std_in_grpo=true", "algorithm.use_kl_in_reward=false",
                       "actor.use_kl_loss=true", "actor.kl_loss_type=k3+", f"actor.kl_loss_coef={KL_COEF}"]
-    cfg = our_config(workdir, log_kl_panel, gpu)
+    cfg = our_config(workdir, log_kl_panel, gpu, recompute)
     for item in overrides:
         key, _, value = item.partition("=")
         set_value(cfg, key, yaml.safe_load(value), text=value)
@@ -131,16 +130,6 @@ class OursGroupSide(OursSide):
         else:
             assert "actor/reward_kl_penalty" in self.last_metrics and "critic/vf_loss" in self.last_metrics
         return {"policy_forwards": len(sizes), "optimizer_steps": optimizer_steps}
-
-
-class OursVariant:
-    """An `OursGroupSide` stepped with another config of the same models (`cfg_always`, `cfg_panel`)."""
-
-    def __init__(self, ours: OursGroupSide, name: str, cfg):
-        self.ours, self.name, self.cfg = ours, name, cfg
-
-    def step(self) -> dict[str, float]:
-        return self.ours.step(cfg=self.cfg)
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -28,7 +28,11 @@ round) after warm-up, medians over `--iters` rounds:
   `rlhf.setup.build_setup` on the workload's prompts), and its per-phase timer: a `PhaseTimer` (a subclass of
   `rlhf.tracking.Timer`, passed into `train_step`) that synchronises with the GPU before each phase's time
   is taken, opens a profiler range per phase and counts the actor's forwards while generating.
-- "ours, estimator only": the same with `trainer.log_kl_panel=false`, for the KL panel's cost.
+- "ours, panel off": the same with `trainer.log_kl_panel=false` and the old-log-prob forward forced
+  (`actor.recompute_old_logprobs=always`): the step without the KL panel's work, for the panel's cost.
+- "ours, panel off, no pass": `trainer.log_kl_panel=false` alone: without the panel, the float32 sampler's
+  log-probs serve as the old ones (`rollout.logprobs_from_sampler`), so the old-log-prob forward is skipped;
+  against "ours, panel off", what skipping that pass saves.
 - floor (bench/floor.py): sampling with a bare KV-cache loop (one forward per token, `torch.multinomial`);
   reference, old-policy and critic forwards without grad; two mini-batches of actor and critic
   forward+backward with the simplest losses; the optimizer steps (fused AdamW). No accelerate, no metrics.
@@ -51,7 +55,7 @@ import time
 
 # bench/common.py first: it sets the environment before torch loads and puts the repository root on sys.path.
 from common import (KL_COEF, LR, MINI_BATCH, NUM_PROMPTS, PHASES, PROMPT_WIDTH, RESPONSE_LENGTH, SEED, STEP_KEYS,
-                    GenerationClock, OursMinimal, OursSide, PhaseTimer, build_workload, count_decode_steps,
+                    GenerationClock, OursSide, OursVariant, PhaseTimer, build_workload, count_decode_steps,
                     count_optimizer_steps, interleaved_rounds, load_workload, measure_memory, median_phase,
                     median_untimed, our_config, paired, print_versions_and_load, start, step_memory, sync, timed)
 
@@ -151,6 +155,7 @@ class OursPPOSide(OursSide):
         _, tokenizer, prompts = load_workload(workdir)
         super().__init__("ours train_step", our_config(workdir, True, gpu), our_config(workdir, False, gpu),
                          tokenizer, prompts)
+        self.cfg_forced = our_config(workdir, False, gpu, recompute="always")  # panel off, the pass kept
 
     def describe(self) -> str:
         opt = self.torch_optimizers[0]
@@ -158,17 +163,22 @@ class OursPPOSide(OursSide):
                 "x2 (actor, critic); rollout.ignore_eos=true")
 
     def check(self) -> None:
-        """One step that must sample exactly RESPONSE_LENGTH tokens, take 2 optimizer steps per model and
-        log the whole KL panel."""
-        optimizer_steps = []
-        timer = PhaseTimer(self.actor)
-        with count_optimizer_steps(self.torch_optimizers, optimizer_steps):
-            self.step(timer=timer)
-        assert timer.decode_steps == [RESPONSE_LENGTH], \
-            f"ours ran {timer.decode_steps} decoding steps, not [{RESPONSE_LENGTH}]"
-        assert optimizer_steps == [NUM_PROMPTS // MINI_BATCH] * 2, f"ours took {optimizer_steps} optimizer steps"
-        missing = [f"kl/{n}" for n in ("k1", "k2", "k3", "abs", "full") if f"kl/{n}" not in self.last_metrics]
-        assert not missing, f"the KL panel lacks {missing}"
+        """One step of each config: exactly RESPONSE_LENGTH sampled tokens and 2 optimizer steps per model;
+        the panel's step logs the whole KL panel; the old-log-prob forward runs in the two configs that
+        need or force it and not in "panel off, no pass"."""
+        for cfg, pass_expected in ((self.cfg_panel, True), (self.cfg_forced, True), (self.cfg_minimal, False)):
+            optimizer_steps = []
+            timer = PhaseTimer(self.actor)
+            with count_optimizer_steps(self.torch_optimizers, optimizer_steps):
+                self.step(timer=timer, cfg=cfg)
+            who = f"ours (log_kl_panel={cfg.trainer.log_kl_panel}, {cfg.actor.recompute_old_logprobs})"
+            assert timer.decode_steps == [RESPONSE_LENGTH], \
+                f"{who} ran {timer.decode_steps} decoding steps, not [{RESPONSE_LENGTH}]"
+            assert optimizer_steps == [NUM_PROMPTS // MINI_BATCH] * 2, f"{who} took {optimizer_steps} optimizer steps"
+            assert ("old_log_prob" in timer.seconds) == pass_expected, f"{who}: phases {sorted(timer.seconds)}"
+            if cfg.trainer.log_kl_panel:
+                missing = [f"kl/{n}" for n in ("k1", "k2", "k3", "abs", "full") if f"kl/{n}" not in self.last_metrics]
+                assert not missing, f"the KL panel lacks {missing}"
 
 
 # ----------------------------------------------------------------------------- profiling
@@ -230,7 +240,7 @@ def profile(side, name: str, num_steps: int = 2) -> None:
 class Result:
     """What the timed rounds and the checks after them measured."""
 
-    names: dict[str, str]  # side key ("trl", "ours", "minimal", "floor") -> its name, in the order of a round
+    names: dict[str, str]  # side key ("trl", "ours", "minimal", "no_pass", "floor") -> its name, in a round's order
     times: dict[str, list[dict[str, float]]]  # side key -> per round: "step", each phase's s, "gen_synced"
     vocab_size: int
     full_kl_ms: float  # kl.full_kl on one batch's (NUM_PROMPTS, RESPONSE_LENGTH, vocab_size) logits
@@ -270,13 +280,14 @@ def measure(args, trl, transformers) -> Result | None:
         trl_side = TRLSide(workdir, args.gpu)
         num_objects_trl = len(gc.get_objects())
         ours, floor = OursPPOSide(workdir, args.gpu), FloorSide(workdir, args.gpu)
-        minimal = OursMinimal(ours)
+        minimal = OursVariant(ours, "ours, panel off", ours.cfg_forced)
+        no_pass = OursVariant(ours, "ours, panel off, no pass", ours.cfg_minimal)
         num_objects = len(gc.get_objects())
         gc_ms = 1e3 * statistics.median(timed(gc.collect) for _ in range(3))
         print_setup(trl, transformers, trl_side, ours, tokenizer, prompts, args.gpu, gc_ms, num_objects,
                     num_objects_trl)
 
-        sides = [("trl", trl_side), ("ours", ours), ("minimal", minimal), ("floor", floor)]
+        sides = [("trl", trl_side), ("ours", ours), ("minimal", minimal), ("no_pass", no_pass), ("floor", floor)]
         trl_side.check()  # exactly RESPONSE_LENGTH decoding steps, 2 optimizer steps
         ours.check()
         times = interleaved_rounds(sides, args.warmup, args.iters)
@@ -300,19 +311,22 @@ def measure(args, trl, transformers) -> Result | None:
 
 
 def print_phases(times: dict[str, list[dict]], ours_s: float) -> None:
-    """Our step's phases (medians and shares of `ours_s`, our median step), with the panel off and the floor's."""
-    print("\nour step by phase, median s (share of our step); the same for the panel off and for the floor:")
-    print(f"  {'phase':<12} {'ours':>7}           {'no panel':>8} {'floor':>7}")
+    """Our step's phases (medians and shares of `ours_s`, our median step), with the panel off (the pass
+    forced, then skipped) and the floor's."""
+    print("\nour step by phase, median s (share of our step); the same with the panel off (old-log-prob pass "
+          "forced, skipped) and for the floor:")
+    print(f"  {'phase':<12} {'ours':>7}           {'no panel':>8} {'no pass':>8} {'floor':>7}")
     accounted = set(STEP_KEYS)
+    sides = ("ours", "minimal", "no_pass", "floor")
     for label, keys in PHASES:
         accounted.update(keys)
-        full, lean, bare = (median_phase(times[side], keys) for side in ("ours", "minimal", "floor"))
-        print(f"  {label:<12} {full:7.3f}  ({full / ours_s:5.1%})   {lean:8.3f} {bare:7.3f}")
+        full, lean, skipped, bare = (median_phase(times[side], keys) for side in sides)
+        print(f"  {label:<12} {full:7.3f}  ({full / ours_s:5.1%})   {lean:8.3f} {skipped:8.3f} {bare:7.3f}")
     for key in sorted({k for t in times["ours"] for k in t} - accounted):  # phases not named in PHASES
         value = statistics.median(t[key] for t in times["ours"])
         print(f"  {key:<12} {value:7.3f}  ({value / ours_s:5.1%})")
-    full, lean, bare = (median_untimed(times[side]) for side in ("ours", "minimal", "floor"))
-    print(f"  {'other':<12} {full:7.3f}  ({full / ours_s:5.1%})   {lean:8.3f} {bare:7.3f}   "
+    full, lean, skipped, bare = (median_untimed(times[side]) for side in sides)
+    print(f"  {'other':<12} {full:7.3f}  ({full / ours_s:5.1%})   {lean:8.3f} {skipped:8.3f} {bare:7.3f}   "
           "(outside the timed phases: batch building, scoring, GAE, metrics)")
 
 
@@ -351,17 +365,22 @@ def print_report(r: Result) -> None:
     med = {k: statistics.median(t["step"] for t in v) for k, v in times.items()}
     ratio, overhead = med["ours"] / med["trl"], med["ours"] / med["floor"]
     panel_cost = paired(times, "ours", "minimal") - 1
+    pass_saving = 1 - paired(times, "no_pass", "minimal")
+    lean_ratio = med["no_pass"] / med["trl"]
     print(f"\nstep time, median of {len(times['ours'])} (min)")
     for key, name in r.names.items():
         print(f"  {name:<24} {med[key]:7.3f} s  ({min(t['step'] for t in times[key]):.3f})")
-    print(f"ratio ours/TRL        {ratio:.3f}   (target <= 0.65; median of per-round ratios "
-          f"{paired(times, 'ours', 'trl'):.3f})")
+    print(f"ratio ours/TRL        {ratio:.3f}   (target <= 0.6; median of per-round ratios "
+          f"{paired(times, 'ours', 'trl'):.3f}); panel off, no pass: {lean_ratio:.3f} "
+          f"(per-round {paired(times, 'no_pass', 'trl'):.3f})")
     print(f"overhead ours/floor   {overhead:.3f}   (target <= 1.15; per-round {paired(times, 'ours', 'floor'):.3f})")
-    print(f"KL panel cost         {panel_cost:+.1%}  (target <= 3%; median of per-round ours/estimator-only - 1; "
-          f"ratio of medians {med['ours'] / med['minimal'] - 1:+.1%})")
+    print(f"KL panel cost         {panel_cost:+.1%}  (target <= 3%; median of per-round ours/panel-off - 1, the "
+          f"old-log-prob pass in both; ratio of medians {med['ours'] / med['minimal'] - 1:+.1%})")
     print(f"                      cross-check: kl.full_kl on ({NUM_PROMPTS}, {RESPONSE_LENGTH}, {r.vocab_size}) "
           f"logits takes {r.full_kl_ms:.1f} ms = {r.full_kl_ms / 1e3 / med['ours']:.1%} of our step "
           "(the panel's main extra work)")
+    print(f"no old-log-prob pass  {pass_saving:+.1%} of the step saved (median of per-round 1 - no-pass/panel-off, "
+          f"both with the panel off; ratio of medians {1 - med['no_pass'] / med['minimal']:+.1%})")
     print_phases(times, med["ours"])
     print_throughput(times)
     if r.memory:
@@ -369,7 +388,8 @@ def print_report(r: Result) -> None:
     ours_mb = r.memory.get("ours", {}).get("step_peak_mb", float("nan"))
     trl_mb = r.memory.get("trl", {}).get("step_peak_mb", float("nan"))
     print(f"ours_s_per_step={med['ours']:.4f} trl_s_per_step={med['trl']:.4f} ratio={ratio:.3f} "
-          f"overhead={overhead:.3f} kl_panel_cost={panel_cost:.4f} ours_peak_mb={ours_mb:.1f} trl_peak_mb={trl_mb:.1f}")
+          f"overhead={overhead:.3f} kl_panel_cost={panel_cost:.4f} pass_saving={pass_saving:.4f} "
+          f"lean_ratio={lean_ratio:.3f} ours_peak_mb={ours_mb:.1f} trl_peak_mb={trl_mb:.1f}")
 
 
 def main() -> None:
@@ -382,7 +402,7 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true", help="skip the two memory subprocesses")
     parser.add_argument("--gpu", action="store_true", help="models of Qwen2.5-0.5B's shape (random init), bf16 "
                         "autocast, on CUDA (needs a GPU; prepared, not yet run on one)")
-    parser.add_argument("--profile", nargs="*", choices=("ours", "trl", "floor", "minimal"), default=[],
+    parser.add_argument("--profile", nargs="*", choices=("ours", "trl", "floor", "minimal", "no_pass"), default=[],
                         help="after timing, print a torch.profiler table for these sides")
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", choices=("ours", "trl"), help=argparse.SUPPRESS)
