@@ -169,3 +169,26 @@ def test_prepare_is_deterministic_by_seed(embedded_artifacts, tmp_path):
     first, second = load_causal_lm(embedded_artifacts.model_dir), load_causal_lm(again.model_dir)
     for (name, p1), (_, p2) in zip(first.named_parameters(), second.named_parameters()):
         assert torch.equal(p1, p2), name
+
+
+def test_prepare_builds_on_one_thread_and_restores_the_callers(tmp_path, monkeypatch):
+    """The warm start runs on one thread whatever the caller's count, so a cache entry does not depend on
+    who built it. Checked by the thread count the warm start sees: on the project's machine one and two
+    threads happen to give byte-identical weights, so comparing weights there could not fail."""
+    from rlhf import embedded
+
+    seen, warm_start = [], embedded.supervised_warm_start
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return warm_start(*args, **kwargs)
+
+    monkeypatch.setattr(embedded, "supervised_warm_start", recording)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        prepare_embedded_default(str(tmp_path), TINY, log=lambda *a: None)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1]
