@@ -374,7 +374,8 @@ def test_run_label_names_placement_and_estimator():
 
 def test_seeds_fan_out_into_seed_directories_seed_by_seed(stub_trainer, tmp_path, capsys):
     out = tmp_path / "cmp"
-    assert compare.main(["--runs", "no-kl", "reward:k1", "--steps", "2", "--seeds", "3", "--seed", "5",
+    # one run at a time (--jobs 1), so that the runs' start lines come in the grid's order
+    assert compare.main(["--runs", "no-kl", "reward:k1", "--steps", "2", "--seeds", "3", "--seed", "5", "--jobs", "1",
                          "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-wandb"]) == 0
     for run in ("no-kl", "reward-k1"):
         assert sorted(os.listdir(out / run)) == ["seed5", "seed6", "seed7"]
