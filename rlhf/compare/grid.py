@@ -174,19 +174,19 @@ def run_grid(arms: list[Arm], config: str, output_dir: str, cache_dir: str, shar
     built by the first run alone.
     """
     status, todo = {}, []
-    jobs_list = grid_jobs(arms, seeds)
-    for i, (arm, seed) in enumerate(jobs_list, 1):
+    planned = grid_jobs(arms, seeds)
+    for i, (arm, seed) in enumerate(planned, 1):
         overrides = run_overrides(arm, output_dir, cache_dir, shared, extra, seed)
         total = load_config(config, overrides).trainer.total_steps
         directory, key = run_dir(output_dir, arm, seed), run_key(arm.name, seed)
         if seed is not None:
             _remove_one_seed_run(run_dir(output_dir, arm))
         if skip_done and last_step(directory) == total:
-            print(f"[{i}/{len(jobs_list)}] {key}: already has {total} steps in {directory}, skipped")
+            print(f"[{i}/{len(planned)}] {key}: already has {total} steps in {directory}, skipped")
             status[key] = "skipped"
             continue
-        status[key] = "not run"
-        todo.append((f"[{i}/{len(jobs_list)}] {key}", arm, overrides, directory))
+        status[key] = "not run"  # its place in the grid's order; the run's outcome replaces it
+        todo.append((f"[{i}/{len(planned)}] {key}", arm, overrides, directory))
     run_env = job_env(env, jobs)
 
     def start(job: tuple) -> tuple[str, str]:
