@@ -302,6 +302,11 @@ def config_hash(cfg: EmbeddedConfig) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
+def cache_entry(cache_dir: str, cfg: EmbeddedConfig) -> str:
+    """The directory under `cache_dir` that holds the task built from `cfg`: `embedded-<config_hash(cfg)>`."""
+    return os.path.join(cache_dir, f"embedded-{config_hash(cfg)}")
+
+
 def _artifacts(root: str) -> EmbeddedArtifacts:
     with open(os.path.join(root, "meta.json"), encoding="utf-8") as f:
         metrics = json.load(f)["metrics"]
@@ -361,7 +366,7 @@ def prepare_embedded_default(cache_dir: str, cfg: EmbeddedConfig, log=print) -> 
     carry those into the weights (docs/results.md: a clean warm start at greedy accuracy 0.566 built on one
     thread, 0.656 on two); so the entry is the same whichever process builds it.
     """
-    root = os.path.join(cache_dir, f"embedded-{config_hash(cfg)}")
+    root = cache_entry(cache_dir, cfg)
     if os.path.isdir(root):
         log(f"[embedded] reusing {root}")
         return _artifacts(root)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from rlhf.compare.labels import kl_overrides, parse_kl_tag, run_label
 from rlhf.config import load_config
-from rlhf.embedded import config_hash
+from rlhf.embedded import cache_entry
 from rlhf.tracking import read_metrics
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -159,6 +159,18 @@ def grid_jobs(arms: list[Arm], seeds: list[int] | None) -> list[tuple[Arm, int |
 # ----------------------------------------------------------------------------- running the grid
 
 
+class _Job(NamedTuple):
+    """One run of run_grid still to make: its status key, its `[i/n] name` title, its arm, config and
+    overrides, and its directory."""
+
+    key: str
+    title: str
+    arm: Arm
+    cfg: object  # rlhf.config.Config
+    overrides: list[str]
+    directory: str
+
+
 def run_grid(arms: list[Arm], config: str, output_dir: str, cache_dir: str, shared: list[str],
              extra: list[str], skip_done: bool = False, env: dict | None = None,
              seeds: list[int] | None = None, jobs: int = 1) -> dict[str, str]:
@@ -177,7 +189,8 @@ def run_grid(arms: list[Arm], config: str, output_dir: str, cache_dir: str, shar
     planned = grid_jobs(arms, seeds)
     for i, (arm, seed) in enumerate(planned, 1):
         overrides = run_overrides(arm, output_dir, cache_dir, shared, extra, seed)
-        total = load_config(config, overrides).trainer.total_steps
+        cfg = load_config(config, overrides)
+        total = cfg.trainer.total_steps
         directory, key = run_dir(output_dir, arm, seed), run_key(arm.name, seed)
         if seed is not None:
             _remove_one_seed_run(run_dir(output_dir, arm))
@@ -186,17 +199,16 @@ def run_grid(arms: list[Arm], config: str, output_dir: str, cache_dir: str, shar
             status[key] = "skipped"
             continue
         status[key] = "not run"  # its place in the grid's order; the run's outcome replaces it
-        todo.append((f"[{i}/{len(planned)}] {key}", arm, overrides, directory))
+        todo.append(_Job(key, f"[{i}/{len(planned)}] {key}", arm, cfg, overrides, directory))
     run_env = job_env(env, jobs)
 
-    def start(job: tuple) -> tuple[str, str]:
-        title, arm, overrides, directory = job
-        shutil.rmtree(directory, ignore_errors=True)
-        os.makedirs(directory)
-        say(f"{title}: {' '.join(arm.overrides())}  (log: {directory}/train.log)")
-        return title.split("] ", 1)[1], _train(config, overrides, directory, run_env, title)
+    def start(job: _Job) -> tuple[str, str]:
+        shutil.rmtree(job.directory, ignore_errors=True)
+        os.makedirs(job.directory)
+        say(f"{job.title}: {' '.join(job.arm.overrides())}  (log: {job.directory}/train.log)")
+        return job.key, _train(config, job.overrides, job.directory, run_env, job.title)
 
-    if jobs > 1 and todo and not warm_start_cached(config, todo[0][2], cache_dir):
+    if jobs > 1 and todo and not warm_start_cached(todo[0].cfg):
         key, result = start(todo.pop(0))
         status[key] = result
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -217,13 +229,10 @@ def job_env(env: dict | None, jobs: int) -> dict | None:
     return base
 
 
-def warm_start_cached(config: str, overrides: list[str], cache_dir: str) -> bool:
-    """Whether a run with these overrides finds what it loads already built: its model is not the embedded
-    default, or the embedded default's warm start is in `cache_dir` (embedded.prepare_embedded_default's key)."""
-    cfg = load_config(config, overrides)
-    if cfg.model.path != "embedded":
-        return True
-    return os.path.isdir(os.path.join(cache_dir, f"embedded-{config_hash(cfg.embedded)}"))
+def warm_start_cached(cfg) -> bool:
+    """Whether a run of `cfg` (a Config) finds what it loads already built: its model is not the embedded
+    default, or the embedded default's warm start is in its `trainer.cache_dir`."""
+    return cfg.model.path != "embedded" or os.path.isdir(cache_entry(cfg.trainer.cache_dir, cfg.embedded))
 
 
 def _train(config: str, overrides: list[str], directory: str, env: dict | None, title: str = "") -> str:
