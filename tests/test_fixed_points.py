@@ -280,7 +280,9 @@ def test_report_tables():
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| k") or line.startswith("| a")
             or line.startswith("| f")]
     assert len(rows) == 2 * 2 * len(fp.ESTIMATORS)  # bandit and tree, both placements
-    assert all(float(row[4]) < 1e-12 for row in rows)  # 'TV to it': every row where the analysis says
+    # 'TV to it': every row where the analysis says, to float noise, which is printed as a bound (its digits
+    # differ between machines: 3.5e-17 on one CPU, 4.2e-17 on another)
+    assert all(row[4] == "< 1e-12" for row in rows)
     assert "| k3 | loss | (0.096, 0.102, 0.115, 0.687) | forward KL optimum |" in report
     assert "| k2 | loss | (0.511, 0.373, 0.115) | token-level reverse KL |" in report
     assert "| k1 | reward | (0.299, 0.541, 0.160) | sequence |" in report
