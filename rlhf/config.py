@@ -26,7 +26,8 @@ from typing import Any
 import yaml
 
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")  # model.dtype, model.ref_dtype; the torch dtypes of the same names
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+SYNTHETIC_TASKS = ("bandit", "tree")  # model.path values that build a synthetic task (rlhf/synthetic.py)  # model.dtype, model.ref_dtype; the torch dtypes of the same names
 
 
 class ConfigError(ValueError):
@@ -35,7 +36,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str = "embedded"  # "embedded" (tiny local model, built and warm-started here), a hub name or a local path
+    path: str = "embedded"  # "embedded" (tiny local model, built and warm-started here), "bandit" or "tree" (the synthetic tasks, rlhf/synthetic.py), a hub name or a local path
     critic_path: str | None = None  # backbone for the critic; None = same as `path`
     dtype: str = "float32"  # float32 | bfloat16 | float16: actor/critic weights (keep float32 and use mixed precision to train in bf16)
     ref_dtype: str | None = None  # the frozen reference's weights; None = same as dtype
@@ -159,6 +160,20 @@ class EmbeddedConfig:
 
 
 @dataclass
+class SyntheticConfig:
+    """The synthetic tasks (`model.path: bandit` or `tree`, rlhf/synthetic.py): a tiny model whose policy can be enumerated."""
+
+    num_arms: int = 6  # arm tokens a0 ... (the vocabulary is these plus the prompt token <s>, also an arm)
+    seed: int = 0  # seeds the reward table, the reference's target distribution and the model init
+    binary: bool = False  # rewards 0/1 (1 on the best quarter of the table) instead of uniform on [0, 1]
+    ref_spread: float = 1.5  # std of the Gaussian logits of the reference's target distribution (0 = uniform)
+    hidden_size: int = 32  # model width (one transformer block)
+    num_prompts: int = 256  # rows of the training set (all the one prompt)
+    fit_steps: int = 300  # Adam steps fitting the reference to its target
+    fit_lr: float = 0.03  # their learning rate
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -168,6 +183,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -397,8 +413,12 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
              "actor.ppo_mini_batch_size per process x rollout.n", per_process_mini)
     if t.resume_from not in (None, "auto") and not os.path.isdir(t.resume_from):
         raise ConfigError(f"trainer.resume_from={t.resume_from!r} is not a directory (use a checkpoint dir or 'auto').")
+    if m.path in SYNTHETIC_TASKS or d.train_files in SYNTHETIC_TASKS:
+        from rlhf.synthetic import check_config
+
+        checked("model.path", check_config, cfg)
     for key, source in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
-        if source != "embedded" and _looks_like_path(source):
+        if source not in ("embedded", *SYNTHETIC_TASKS) and _looks_like_path(source):
             from rlhf.data import check_data_file
 
             checked(key, check_data_file, source)

@@ -15,7 +15,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, set_seed
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from rlhf import core_algos, kl
+from rlhf import core_algos, kl, synthetic
 from rlhf.config import Config
 from rlhf.data import load_gsm8k, tokenize_prompts
 from rlhf.models import load_causal_lm, load_critic, load_tokenizer
@@ -87,8 +87,16 @@ def shard_on_cpu(accelerator: Accelerator) -> None:
 
 
 def prepare_data_and_models(cfg: Config, accelerator: Accelerator):
-    """Resolve "embedded" into local files, then load everything through the hub code path."""
+    """Resolve "embedded" into local files, then load everything through the hub code path; a synthetic task
+    (`model.path: bandit` or `tree`) builds its own rows."""
     model_path, train_source, val_source = cfg.model.path, cfg.data.train_files, cfg.data.val_files
+    if model_path in synthetic.TASKS:  # the bandit and the tree: their own tokenizer and prompt rows
+        cache_dir = cfg.trainer.cache_dir or os.path.join(cfg.trainer.output_dir, "synthetic")
+        with accelerator.main_process_first():
+            model_dir = synthetic.prepare_synthetic(cache_dir, model_path, cfg.synthetic, log=accelerator.print)
+        tokenizer = synthetic.load_tokenizer(model_dir)
+        return (tokenizer, *synthetic.build_datasets(model_path, cfg.synthetic, tokenizer),
+                *load_models(cfg, model_dir))
     if "embedded" in (model_path, train_source, val_source):
         from rlhf.embedded import prepare_embedded_default
 

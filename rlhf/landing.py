@@ -1,0 +1,134 @@
+"""Where a run on a synthetic task (rlhf/synthetic.py) stands against the theory, exactly, every step.
+
+    landing = Landing.for_run(cfg, actor, tokenizer, reward_fn, row)    # once, before the first update
+    metrics.update(landing.metrics(actor))                             # every step: theory/*
+    landing.write(os.path.join(out_dir, "theory.json"), actor)         # at the end
+
+The policy is read off the actor's logits (rlhf.synthetic.policy: the bandit's pi, the tree's joint pi(a, b)),
+so every number is exact, no sampling. The candidates, at the run's own KL coefficient:
+- `fixed_point`: where the analysis says this run's estimator x placement x advantage estimator lands
+  (rlhf.kl.fixed_points, with the trainer's advantage model: GRPO's std, Dr. GRPO's (n - 1) / n, ...);
+- `reverse_optimum`: argmax E[r] - beta KL(pi || ref) (over the whole sequence for the tree);
+- `forward_optimum`: argmax E[r] - beta KL(ref || pi) (over the joint for the tree);
+- `argmax`: no regularisation;
+- the tree also has `token_level_optimum` and `token_level_forward_optimum`: each token optimising its own
+  regularised objective, which is what a KL loss reaches (docs/kl.md, 'Over a sequence').
+The reward on every arm (every pair for the tree) comes from the configured reward function, called as the
+trainer calls it, so a user's own reward gets its fixed point too. pi_ref is the actor before its first update
+(the reference model's weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhf import synthetic
+from rlhf.kl import fixed_points as fp
+from rlhf.kl.advantage_models import advantage_model
+
+
+def run_kl(cfg) -> tuple[str | None, str | None, float]:
+    """(estimator, placement, beta) of a run: the one KL it trains with, (None, None, beta) without a KL; beta is
+    the coefficient of whichever KL is on (the loss's when none is, for the candidates). Raises ValueError for a
+    run with KL in both places, which the analysis does not model."""
+    a, ac = cfg.algorithm, cfg.actor
+    if a.use_kl_in_reward and ac.use_kl_loss:
+        raise ValueError("the fixed points model one KL placement: set algorithm.use_kl_in_reward or "
+                         "actor.use_kl_loss, not both, on a synthetic task")
+    if a.use_kl_in_reward:
+        return a.kl_penalty, "reward", a.kl_ctrl.kl_coef
+    if ac.use_kl_loss:
+        return ac.kl_loss_type, "loss", ac.kl_loss_coef
+    return None, None, ac.kl_loss_coef
+
+
+def arm_rewards(reward_score, task: str, vocab_size: int, prompt_ids: list[int], fields: dict) -> torch.Tensor:
+    """The reward of every response, float64: (V,) for the bandit, (V, V) for the tree. `reward_score(
+    prompt_ids, completion_ids, fields) -> (B,)` is the trainer's scoring of a batch (one row's fields, repeated)."""
+    if task == "bandit":
+        completions = [[t] for t in range(vocab_size)]
+    else:
+        completions = [[a, b] for a in range(vocab_size) for b in range(vocab_size)]
+    rows = {key: [value] * len(completions) for key, value in fields.items()}
+    scores = reward_score([prompt_ids] * len(completions), completions, rows)
+    return torch.as_tensor(scores, dtype=torch.float64).reshape((vocab_size,) * synthetic.response_length(task))
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    return torch.where(p > 0, p * (p.log() - q.log()), 0.0).sum().item()
+
+
+@dataclass
+class Landing:
+    """A synthetic run's pi_ref, rewards and candidate points, as joint distributions over responses."""
+
+    task: str
+    temperature: float
+    ref: torch.Tensor  # (V,) or the tree's joint (V, V)
+    rewards: torch.Tensor  # same shape
+    beta: float
+    label: str  # what `fixed_point` is: e.g. "k3 in the loss, rloo (n = 8)"
+    candidates: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> distribution, same shape
+
+    @classmethod
+    def for_run(cls, cfg, actor, rewards: torch.Tensor) -> "Landing":
+        """The candidates of this run's config, pi_ref read off `actor` (before its first update)."""
+        task, temperature = cfg.model.path, cfg.rollout.temperature
+        ref = synthetic.policy(actor, task, temperature)
+        estimator, placement, beta = run_kl(cfg)
+        a = cfg.algorithm
+        model = advantage_model(a.adv_estimator, a.norm_adv_by_std_in_grpo, cfg.rollout.n)
+        adv = dict(advantage=model.advantage, n=model.n)
+        candidates = {}
+        if task == "bandit":
+            if estimator is None:
+                candidates["fixed_point"] = fp.argmax_optimum(ref, rewards, beta)
+            else:
+                candidates["fixed_point"] = fp.bandit_fixed_point(ref, rewards, beta, estimator, placement, **adv)
+            candidates["reverse_optimum"] = fp.reverse_kl_optimum(ref, rewards, beta)
+            candidates["forward_optimum"] = fp.forward_kl_optimum(ref, rewards, beta)
+            candidates["argmax"] = fp.argmax_optimum(ref, rewards, beta)
+        else:
+            first = ref.sum(-1)
+            second = ref / first[:, None]
+            joint = lambda pair: pair[0][:, None] * pair[1]  # noqa: E731
+            if estimator is None:
+                candidates["fixed_point"] = fp.argmax_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
+            else:
+                candidates["fixed_point"] = joint(fp.tree_fixed_point(first, second, rewards, beta, estimator,
+                                                                      placement, **adv))
+            candidates["reverse_optimum"] = joint(fp.sequence_optimum(first, second, rewards, beta))
+            candidates["forward_optimum"] = fp.forward_kl_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
+            candidates["argmax"] = fp.argmax_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
+            candidates["token_level_optimum"] = joint(fp.token_level_optimum(first, second, rewards, beta))
+            candidates["token_level_forward_optimum"] = joint(
+                fp.token_level_optimum(first, second, rewards, beta, fp.forward_kl_optimum))
+        where = "no KL" if estimator is None else f"{estimator} in the {placement}"
+        label = f"{where}, {a.adv_estimator}" + (f" (n = {cfg.rollout.n})" if a.adv_estimator != "gae" else "")
+        return cls(task, temperature, ref, rewards, beta, label, candidates)
+
+    def metrics(self, actor) -> dict[str, float]:
+        """theory/tv_to_<candidate> for each candidate, theory/kl (KL(pi || ref)), theory/kl_forward
+        (KL(ref || pi)) and theory/expected_reward, of the actor's policy now."""
+        pi = synthetic.policy(actor, self.task, self.temperature)
+        out = {f"theory/tv_to_{name}": fp.tv(pi, point) for name, point in self.candidates.items()}
+        out["theory/kl"] = _kl(pi, self.ref)
+        out["theory/kl_forward"] = _kl(self.ref, pi)
+        out["theory/expected_reward"] = (pi * self.rewards).sum().item()
+        return out
+
+    def write(self, path: str, actor) -> dict:
+        """theory.json: the task, beta, what the fixed point is, pi_ref, the rewards, the final policy and each
+        candidate as probabilities (nested lists), and the final metrics. Returns what it wrote."""
+        pi = synthetic.policy(actor, self.task, self.temperature)
+        record = {"task": self.task, "beta": self.beta, "fixed_point": self.label,
+                  "ref": self.ref.tolist(), "rewards": self.rewards.tolist(), "policy": pi.tolist(),
+                  "candidates": {name: point.tolist() for name, point in self.candidates.items()},
+                  "metrics": {k: v for k, v in self.metrics(actor).items() if math.isfinite(v)}}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        return record

@@ -1,0 +1,245 @@
+"""Two synthetic tasks whose fixed points are exact: a one-token bandit and a two-token tree.
+
+    python train.py --config configs/bandit.yaml actor.use_kl_loss=true actor.kl_loss_type=k3    # forward KL
+    python train.py --config configs/tree.yaml                                                    # sequence level
+
+Built like the embedded default (no network, a cache entry, a tiny model), and trained by the same
+`train_step` as GSM8K:
+- `bandit`: one prompt, responses of exactly one token, reward r(token) from a table fixed by `synthetic.seed`.
+- `tree`: responses of exactly two tokens (a, b), reward R(a, b) at the end.
+The vocabulary is small enough to enumerate: the prompt token `<s>` (also EOS and padding, so that every
+token is an arm and every response has the same length) and `synthetic.num_arms` arm tokens. pi_ref is the
+reference model's next-token distribution after the prompt (and after each first token, for the tree): a
+tiny Qwen2 fitted to a clearly non-uniform target, so the forward- and reverse-KL optima are far apart.
+
+Each row carries the task's reward table (`rewards`), so the default reward, `rlhf.synthetic:table_reward`,
+is a plain `reward.function` like any other; the theory (`Landing`) evaluates the *configured* function on
+every arm (every pair for the tree), so a user's own reward gets its fixed point too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+
+from rlhf.config import SYNTHETIC_TASKS as TASKS, SyntheticConfig
+
+PROMPT_TOKEN = "<s>"
+_CACHE_VERSION = 1
+
+
+def arm_tokens(num_arms: int) -> list[str]:
+    """The vocabulary in id order: the prompt token first (id 0), then a0 ... a{num_arms - 1}."""
+    return [PROMPT_TOKEN] + [f"a{i}" for i in range(num_arms)]
+
+
+def response_length(task: str) -> int:
+    """Tokens per response: 1 for the bandit, 2 for the tree."""
+    return TASKS.index(task) + 1
+
+
+def check_config(cfg) -> None:
+    """Raise ValueError unless a run on a synthetic task is one the analysis models: the data is the task's
+    own, every response has the task's length, one KL placement at most, a temperature the policy is read at."""
+    task, d, r = cfg.model.path, cfg.data, cfg.rollout
+    if (d.train_files, d.val_files) != (task, task):
+        raise ValueError(f"model.path={task} needs data.train_files={task} and data.val_files={task} "
+                         f"(got {d.train_files!r} and {d.val_files!r})")
+    length = response_length(task)
+    if d.max_response_length != length or not r.ignore_eos:
+        raise ValueError(f"the {task}'s responses are exactly {length} token(s): set data.max_response_length="
+                         f"{length} and rollout.ignore_eos=true (got {d.max_response_length} and {r.ignore_eos})")
+    if r.top_k or r.top_p < 1.0:
+        raise ValueError("the fixed points assume samples of pi: rollout.top_k=0 and rollout.top_p=1.0 on a "
+                         "synthetic task")
+    if cfg.algorithm.use_kl_in_reward and cfg.actor.use_kl_loss:
+        raise ValueError("the fixed points model one KL placement: set algorithm.use_kl_in_reward or "
+                         "actor.use_kl_loss, not both")
+    if cfg.synthetic.num_arms < 1:
+        raise ValueError(f"synthetic.num_arms must be >= 1, got {cfg.synthetic.num_arms}")
+
+
+# ----------------------------------------------------------------------------- the task's tables
+
+
+def reward_table(task: str, cfg: SyntheticConfig) -> torch.Tensor:
+    """r (V,) for the bandit, R (V, V) for the tree, float64, rounded to 2 decimals (readable in theory.json):
+    uniform on [0, 1] from `cfg.seed`; with `cfg.binary`, 1 on the best quarter of the entries, else 0."""
+    size = len(arm_tokens(cfg.num_arms))
+    shape = (size,) * response_length(task)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    table = torch.rand(shape, generator=generator, dtype=torch.float64)
+    if cfg.binary:
+        threshold = table.flatten().quantile(0.75)
+        table = (table >= threshold).double()
+    return (table * 100).round() / 100
+
+
+def target_reference(task: str, cfg: SyntheticConfig) -> torch.Tensor:
+    """The distributions the reference model is fitted to: (V,) for the bandit, the first token's (V,) then
+    each first token's second-token distribution (V, V) stacked as (V + 1, V) for the tree; softmax of
+    Gaussian logits with std `cfg.ref_spread` from `cfg.seed + 1`, so the reference is clearly non-uniform."""
+    size = len(arm_tokens(cfg.num_arms))
+    rows = 1 if task == "bandit" else 1 + size
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    logits = cfg.ref_spread * torch.randn(rows, size, generator=generator, dtype=torch.float64)
+    if task == "tree":
+        # After the first token <s> the sequence is <s> <s>, whose positions no RoPE model can tell apart
+        # (identical tokens, no absolute positions): its second-token distribution is the first token's.
+        logits[1] = logits[0]
+    return torch.softmax(logits, -1)
+
+
+# ----------------------------------------------------------------------------- tokenizer and model
+
+
+def build_tokenizer(num_arms: int):
+    """A word-level PreTrainedTokenizerFast over arm_tokens (ids 0..V-1), `<s>` as EOS and padding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(arm_tokens(num_arms))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=PROMPT_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=PROMPT_TOKEN, pad_token=PROMPT_TOKEN,
+                                   padding_side="left")
+
+
+def load_tokenizer(model_dir: str):
+    """The task's tokenizer as saved. Not through AutoTokenizer, which rebuilds any tokenizer saved beside a
+    Qwen2 config as Qwen2's byte-level BPE (transformers 5), losing the word-level vocabulary."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(model_dir, padding_side="left")
+
+
+def build_model(cfg: SyntheticConfig, vocab_size: int):
+    """A tiny randomly initialised Qwen2ForCausalLM (untied embeddings, so the output layer is free)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=2 * cfg.hidden_size,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=8, tie_word_embeddings=False, eos_token_id=0,
+                         bos_token_id=None, pad_token_id=None)  # no padding_idx: <s> keeps a learnable embedding
+    return Qwen2ForCausalLM(config)
+
+
+def policy_inputs(task: str, vocab_size: int) -> torch.Tensor:
+    """The token sequences whose next-token distributions make up the policy: [[<s>]] for the bandit,
+    [[<s>, a] for every a] for the tree (position 0 gives pi(a), position 1 gives pi(b | a))."""
+    if task == "bandit":
+        return torch.zeros(1, 1, dtype=torch.long)
+    return torch.stack([torch.zeros(vocab_size, dtype=torch.long), torch.arange(vocab_size)], dim=1)
+
+
+@torch.no_grad()
+def policy(model, task: str, temperature: float = 1.0) -> torch.Tensor:
+    """The model's policy over responses, float64: pi (V,) for the bandit; the joint pi(a, b) (V, V) for the
+    tree. At the sampling temperature, as the trainer samples."""
+    vocab_size = model.config.vocab_size
+    ids = policy_inputs(task, vocab_size).to(next(model.parameters()).device)
+    logits = model(input_ids=ids).logits.double().cpu() / temperature  # (rows, positions, V)
+    probs = torch.softmax(logits, -1)
+    if task == "bandit":
+        return probs[0, 0]
+    return probs[0, 0][:, None] * probs[:, 1]  # pi(a) pi(b | a)
+
+
+def fit_reference(model, task: str, target: torch.Tensor, steps: int, lr: float) -> float:
+    """Fit the model's next-token distributions to `target` (target_reference's layout) by Adam on the
+    cross-entropy; returns the final KL(target || model) summed over the rows."""
+    vocab_size = model.config.vocab_size
+    ids = policy_inputs(task, vocab_size)
+    target = target.float()
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    loss = torch.zeros(())
+    for _ in range(steps):
+        logprobs = torch.log_softmax(model(input_ids=ids).logits, -1)  # (rows, positions, V)
+        rows = logprobs[:1, 0] if task == "bandit" else torch.cat([logprobs[:1, 0], logprobs[:, 1]])
+        loss = (target * (target.log() - rows)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return loss.item()
+
+
+# ----------------------------------------------------------------------------- the cached entry point
+
+
+def cache_entry(cache_dir: str, task: str, cfg: SyntheticConfig) -> str:
+    """`cache_dir/<task>-<hash of cfg>`: the task's model directory lives in it."""
+    payload = json.dumps({"version": _CACHE_VERSION, "task": task, **dataclasses.asdict(cfg)}, sort_keys=True)
+    return os.path.join(cache_dir, f"{task}-{hashlib.sha256(payload.encode()).hexdigest()[:12]}")
+
+
+def prepare_synthetic(cache_dir: str, task: str, cfg: SyntheticConfig, log=print) -> str:
+    """Build (or reuse) the task's tokenizer and fitted reference model; returns the model directory (a
+    save_pretrained directory, loadable by path). Deterministic by cfg.seed; written atomically."""
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; valid: {', '.join(TASKS)}")
+    root = cache_entry(cache_dir, task, cfg)
+    model_dir = os.path.join(root, "model")
+    if os.path.isdir(root):
+        log(f"[{task}] reusing {root}")
+        return model_dir
+    tmp = f"{root}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = build_tokenizer(cfg.num_arms)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same weights whichever thread count builds them
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(cfg.seed)
+            model = build_model(cfg, len(tokenizer))
+            residual = fit_reference(model, task, target_reference(task, cfg), cfg.fit_steps, cfg.fit_lr)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(os.path.join(tmp, "model"))
+    tokenizer.save_pretrained(os.path.join(tmp, "model"))
+    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump({"task": task, "config": dataclasses.asdict(cfg), "fit_kl": residual}, f, indent=2)
+    try:
+        os.rename(tmp, root)
+    except OSError:  # another process finished the same entry first: it is identical
+        if not os.path.isdir(root):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"[{task}] vocabulary {len(tokenizer)}, reference fitted (KL to its target {residual:.1e}) at {root}")
+    return model_dir
+
+
+def build_datasets(task: str, cfg: SyntheticConfig, tokenizer):
+    """(train, val) Datasets: `cfg.num_prompts` copies of the one prompt (`<s>`) for training, one for
+    evaluation, each row with `input_ids`, `ground_truth` (unused, empty) and `rewards` (the table, nested
+    lists), which the reward function receives as a field."""
+    import datasets
+
+    table = reward_table(task, cfg).tolist()
+    prompt = [tokenizer.convert_tokens_to_ids(PROMPT_TOKEN)]
+
+    def rows(n):
+        return datasets.Dataset.from_dict({"input_ids": [prompt] * n, "ground_truth": [""] * n,
+                                           "rewards": [table] * n})
+
+    return rows(cfg.num_prompts), rows(1)
+
+
+# ----------------------------------------------------------------------------- the default reward
+
+
+def table_reward(prompts, completions, completion_ids, rewards, **fields) -> list[float]:
+    """The reward of each response from its row's table: rewards[i][t1] for a one-token response,
+    rewards[i][t1][t2] for a two-token one (a `reward.function` in the TRL convention)."""
+    out = []
+    for ids, table in zip(completion_ids, rewards):
+        value = table
+        for token in ids:
+            value = value[token]
+        out.append(float(value))
+    return out
