@@ -163,10 +163,11 @@ class EmbeddedConfig:
 class SyntheticConfig:
     """The synthetic tasks (`model.path: bandit` or `tree`, rlhf/synthetic.py): a tiny model whose policy can be enumerated."""
 
-    num_arms: int = 6  # arm tokens a0 ... (the vocabulary is these plus the prompt token <s>, also an arm)
-    seed: int = 0  # seeds the reward table, the reference's target distribution and the model init
-    binary: bool = False  # rewards 0/1 (1 on the best quarter of the table) instead of uniform on [0, 1]
-    ref_spread: float = 1.5  # std of the Gaussian logits of the reference's target distribution (0 = uniform)
+    num_arms: int = 6  # bandit: arm tokens a0 ... (the vocabulary is these and the prompt token <s>, itself an arm); the tree has docs/kl.md's example's three
+    seed: int = 2  # bandit: seeds the reward table and the reference's target (2: its forward- and reverse-KL optima at beta = 0.3 lie 0.33 apart)
+    binary: bool = False  # bandit: rewards 0/1 (1 on the best quarter of the arms) instead of uniform on [0, 1]
+    ref_spread: float = 1.5  # bandit: std of the Gaussian logits of the reference's target (0 = uniform)
+    tree_prompt_mass: float = 0.001  # tree: the reference's probability of <s> (an arm with reward 0) in every state
     hidden_size: int = 32  # model width (one transformer block)
     num_prompts: int = 256  # rows of the training set (all the one prompt)
     fit_steps: int = 300  # Adam steps fitting the reference to its target

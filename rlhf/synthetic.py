@@ -6,11 +6,12 @@
 Built like the embedded default (no network, a cache entry, a tiny model), and trained by the same
 `train_step` as GSM8K:
 - `bandit`: one prompt, responses of exactly one token, reward r(token) from a table fixed by `synthetic.seed`.
-- `tree`: responses of exactly two tokens (a, b), reward R(a, b) at the end.
+- `tree`: responses of exactly two tokens (a, b), reward R(a, b) at the end: docs/kl.md's two-step example
+  (`TREE_EXAMPLE`), whose sequence-level and token-level optima differ.
 The vocabulary is small enough to enumerate: the prompt token `<s>` (also EOS and padding, so that every
-token is an arm and every response has the same length) and `synthetic.num_arms` arm tokens. pi_ref is the
+token is an arm and every response has the same length) and the arm tokens a0, a1, ... pi_ref is the
 reference model's next-token distribution after the prompt (and after each first token, for the tree): a
-tiny Qwen2 fitted to a clearly non-uniform target, so the forward- and reverse-KL optima are far apart.
+tiny Qwen2 fitted to a clearly non-uniform target, so the candidate optima are far apart.
 
 Each row carries the task's reward table (`rewards`), so the default reward, `rlhf.synthetic:table_reward`,
 is a plain `reward.function` like any other; the theory (`Landing`) evaluates the *configured* function on
@@ -28,6 +29,7 @@ import shutil
 import torch
 
 from rlhf.config import SYNTHETIC_TASKS as TASKS, SyntheticConfig
+from rlhf.kl import fixed_points as fp
 
 PROMPT_TOKEN = "<s>"
 _CACHE_VERSION = 1
@@ -62,37 +64,59 @@ def check_config(cfg) -> None:
                          "actor.use_kl_loss, not both")
     if cfg.synthetic.num_arms < 1:
         raise ValueError(f"synthetic.num_arms must be >= 1, got {cfg.synthetic.num_arms}")
+    if not 0 < cfg.synthetic.tree_prompt_mass < 1:
+        raise ValueError(f"synthetic.tree_prompt_mass must be in (0, 1), got {cfg.synthetic.tree_prompt_mass}")
 
 
 # ----------------------------------------------------------------------------- the task's tables
 
 
+def num_tokens(task: str, cfg: SyntheticConfig) -> int:
+    """V, the vocabulary: the prompt token and the arms (synthetic.num_arms for the bandit; the tree has the
+    three of docs/kl.md's example)."""
+    return 1 + (cfg.num_arms if task == "bandit" else len(fp.TREE_EXAMPLE["ref_first"]))
+
+
+def _anti_sorted(logits: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """The same logits reassigned so that the higher an arm's reward, the lower its logit."""
+    out = torch.empty_like(logits)
+    out[torch.argsort(rewards)] = torch.sort(logits, descending=True).values
+    return out
+
+
 def reward_table(task: str, cfg: SyntheticConfig) -> torch.Tensor:
-    """r (V,) for the bandit, R (V, V) for the tree, float64, rounded to 2 decimals (readable in theory.json):
-    uniform on [0, 1] from `cfg.seed`; with `cfg.binary`, 1 on the best quarter of the entries, else 0."""
-    size = len(arm_tokens(cfg.num_arms))
-    shape = (size,) * response_length(task)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    table = torch.rand(shape, generator=generator, dtype=torch.float64)
-    if cfg.binary:
-        threshold = table.flatten().quantile(0.75)
-        table = (table >= threshold).double()
-    return (table * 100).round() / 100
+    """r (V,) for the bandit, R (V, V) for the tree, float64.
+
+    bandit: uniform on [0, 1] from `cfg.seed`, rounded to 2 decimals (readable in theory.json); with
+    `cfg.binary`, 1 on the best quarter of the arms, else 0. tree: docs/kl.md's example (TREE_EXAMPLE: after
+    a0, the best reward needs a token the reference gives 1%), 0 on any pair with the prompt token <s>."""
+    if task == "bandit":
+        table = torch.rand(num_tokens(task, cfg), generator=torch.Generator().manual_seed(cfg.seed),
+                           dtype=torch.float64)
+        if cfg.binary:
+            table = (table >= table.quantile(0.75)).double()
+        return (table * 100).round() / 100
+    table = torch.zeros(num_tokens(task, cfg), num_tokens(task, cfg), dtype=torch.float64)
+    table[1:, 1:] = torch.tensor(fp.TREE_EXAMPLE["rewards"], dtype=torch.float64)
+    return table
 
 
 def target_reference(task: str, cfg: SyntheticConfig) -> torch.Tensor:
-    """The distributions the reference model is fitted to: (V,) for the bandit, the first token's (V,) then
-    each first token's second-token distribution (V, V) stacked as (V + 1, V) for the tree; softmax of
-    Gaussian logits with std `cfg.ref_spread` from `cfg.seed + 1`, so the reference is clearly non-uniform."""
-    size = len(arm_tokens(cfg.num_arms))
-    rows = 1 if task == "bandit" else 1 + size
-    generator = torch.Generator().manual_seed(cfg.seed + 1)
-    logits = cfg.ref_spread * torch.randn(rows, size, generator=generator, dtype=torch.float64)
-    if task == "tree":
-        # After the first token <s> the sequence is <s> <s>, whose positions no RoPE model can tell apart
-        # (identical tokens, no absolute positions): its second-token distribution is the first token's.
-        logits[1] = logits[0]
-    return torch.softmax(logits, -1)
+    """The distributions the reference model is fitted to, float64: (1, V) for the bandit, for the tree the
+    first token's then the second token's after each first token, (V + 1, V).
+
+    bandit: softmax of Gaussian logits with std `cfg.ref_spread` (from `cfg.seed + 1`), the larger logits on
+    the lower rewards: the best arms are the rarest, so the forward- and reverse-KL optima are far apart.
+    tree: TREE_EXAMPLE's pi_ref(a) and pi_ref(b | a), with `tree_prompt_mass` of each row on <s>. After <s>
+    the sequence is <s> <s>, whose positions no RoPE model can tell apart (identical tokens, no absolute
+    positions), so that row is the first token's."""
+    if task == "bandit":
+        generator = torch.Generator().manual_seed(cfg.seed + 1)
+        logits = cfg.ref_spread * torch.randn(num_tokens(task, cfg), generator=generator, dtype=torch.float64)
+        return torch.softmax(_anti_sorted(logits, reward_table(task, cfg)), -1)[None]
+    arms = torch.tensor([fp.TREE_EXAMPLE["ref_first"], *fp.TREE_EXAMPLE["ref_second"]], dtype=torch.float64)
+    rows = torch.cat([torch.full((len(arms), 1), cfg.tree_prompt_mass), (1 - cfg.tree_prompt_mass) * arms], dim=1)
+    return torch.cat([rows[:1], rows[:1], rows[1:]])  # first token; after <s>; after each arm
 
 
 # ----------------------------------------------------------------------------- tokenizer and model
@@ -161,7 +185,7 @@ def fit_reference(model, task: str, target: torch.Tensor, steps: int, lr: float)
     loss = torch.zeros(())
     for _ in range(steps):
         logprobs = torch.log_softmax(model(input_ids=ids).logits, -1)  # (rows, positions, V)
-        rows = logprobs[:1, 0] if task == "bandit" else torch.cat([logprobs[:1, 0], logprobs[:, 1]])
+        rows = logprobs[:1, 0] if task == "bandit" else torch.cat([logprobs[:1, 0], logprobs[:, 1]])  # as target
         loss = (target * (target.log() - rows)).sum()
         optimizer.zero_grad()
         loss.backward()
@@ -190,7 +214,7 @@ def prepare_synthetic(cache_dir: str, task: str, cfg: SyntheticConfig, log=print
         return model_dir
     tmp = f"{root}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = build_tokenizer(cfg.num_arms)
+    tokenizer = build_tokenizer(num_tokens(task, cfg) - 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same weights whichever thread count builds them
     try:

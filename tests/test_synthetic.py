@@ -6,6 +6,7 @@ import torch
 
 from rlhf import synthetic
 from rlhf.config import ConfigError, SyntheticConfig, load_config
+from rlhf.kl import fixed_points as fp
 from rlhf.models import load_causal_lm
 from rlhf.rollout import SamplingParams, generate
 
@@ -24,6 +25,7 @@ def built(tmp_path_factory):
 def test_vocabulary_and_rows(built):
     model_dir, tokenizer, model = built["bandit"]
     assert len(tokenizer) == model.config.vocab_size == SMALL.num_arms + 1
+    assert built["tree"][2].config.vocab_size == 4
     assert tokenizer.convert_tokens_to_ids(synthetic.arm_tokens(SMALL.num_arms)) == list(range(SMALL.num_arms + 1))
     assert tokenizer.eos_token_id == tokenizer.pad_token_id == 0
     assert tokenizer.decode([1, 2], skip_special_tokens=True) == "a0 a1"
@@ -33,14 +35,17 @@ def test_vocabulary_and_rows(built):
 
 def test_reward_tables_are_seeded():
     bandit, tree = synthetic.reward_table("bandit", SMALL), synthetic.reward_table("tree", SMALL)
-    assert bandit.shape == (7,) and tree.shape == (7, 7)
+    assert bandit.shape == (7,) and tree.shape == (4, 4)  # the tree: docs/kl.md's example and the prompt token
+    assert tree[1:, 1:].tolist() == [list(row) for row in fp.TREE_EXAMPLE["rewards"]] and tree[0].abs().sum() == 0
     assert torch.equal(bandit, synthetic.reward_table("bandit", SMALL))  # the same seed, the same table
     assert not torch.equal(bandit, synthetic.reward_table("bandit", SyntheticConfig(seed=1)))
+    ref = synthetic.target_reference("bandit", SMALL)[0]
+    assert torch.equal(torch.argsort(ref), torch.argsort(bandit, descending=True))  # the best arms are the rarest
     binary = synthetic.reward_table("bandit", SyntheticConfig(binary=True))
     assert set(binary.tolist()) == {0.0, 1.0} and binary.sum() == 2  # the best quarter of 7 entries, rounded up
     assert synthetic.table_reward([""] * 2, ["a0", "a1"], [[1], [2]], rewards=[bandit.tolist()] * 2) == \
         [bandit[1].item(), bandit[2].item()]
-    assert synthetic.table_reward([""], [""], [[3, 4]], rewards=[tree.tolist()]) == [tree[3, 4].item()]
+    assert synthetic.table_reward([""], [""], [[2, 3]], rewards=[tree.tolist()]) == [tree[2, 3].item()]
 
 def test_reference_is_fitted_and_non_uniform(built):
     for task in synthetic.TASKS:
