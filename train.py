@@ -6,9 +6,10 @@
 
 One step reads like the algorithm (`train_step`):
     rollout (sample rollout.n responses per prompt; old log-probs where needed, reference log-probs, exact
-    KL, values) -> score (GSM8K rule) -> KL (into the reward and/or the loss) -> advantages (GAE whitened, or
-    grpo / rloo over each prompt's group) -> PPO epochs (clipped actor loss, clipped critic loss when there
-    is a critic) -> adaptive KL coefficient -> log; `main` adds evaluation and checkpoints.
+    KL, values) -> score (reward.function, GSM8K's rule by default) -> KL (into the reward and/or the loss)
+    -> advantages (GAE whitened, or grpo / rloo over each prompt's group) -> PPO epochs (clipped actor loss,
+    clipped critic loss when there is a critic) -> adaptive KL coefficient -> log; `main` adds evaluation and
+    checkpoints.
 Building the run is `rlhf/setup.py`; the glue's decisions are small functions in `rlhf/ppo.py`, the math
 in `rlhf/kl` and `rlhf/core_algos.py`, the split of the work over processes in `rlhf/processes.py`.
 
@@ -34,14 +35,13 @@ import yaml
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from rlhf import core_algos, evaluation, kl, ppo
+from rlhf import core_algos, evaluation, kl, ppo, rewards
 from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_steps_message, check_resumable,
                              latest_checkpoint, save_checkpoint)
 from rlhf.compare.labels import kl_tags
 from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
 from rlhf.processes import (eval_batches, mean_over_processes, process_share, stop_rule, sum_over_processes,
                             token_weighted_means)
-from rlhf.rewards.gsm8k import compute_score
 from rlhf.rollout import (SamplingParams, generate, is_stop_token, left_pad, logprobs_and_logits,
                           paired_noise_generator, response_values, slice_batch, stop_token_ids)
 from rlhf.setup import Setup, setup, shard_on_cpu
@@ -60,6 +60,8 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
     noise = (paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device)
              if cfg.rollout.paired_noise else None)  # same-seed runs draw the same sampling noise (common random numbers)
     batch = rollout(cfg, accelerator, run.models, run.tokenizer, rows, timer, noise)
+    with timer("reward"):
+        batch["scores"] = score_responses(run.reward, run.tokenizer, batch, rows)
     batch["group_ids"] = group_ids.to(accelerator.device)
     metrics, skipped = update(cfg, accelerator, run.models, run.optimizers, batch, run.kl_ctrl, step, timer)
     stop_ids = stop_token_ids(accelerator.unwrap_model(run.models[0]), run.tokenizer)
@@ -75,8 +77,8 @@ def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer,
     micro-batched: the old log-probs from the actor's forward pass, or the sampler's, or none where the update
     scores the batch itself (ppo.old_logprobs_source); the reference log-probs when there is a reference; the
     exact per-token KL when the panel or the reward needs it (ppo.needs_rollout_full_kl) and the exact forward
-    KL for the panel; the critic's values when there is a critic; the sampler's log-probs, when kept and not
-    the old ones (`rollout_logprobs`, for ppo.logprob_mismatch); and the GSM8K scores (B,)."""
+    KL for the panel; the critic's values when there is a critic; and the sampler's log-probs, when kept and
+    not the old ones (`rollout_logprobs`, for ppo.logprob_mismatch)."""
     actor, critic, ref = models
     prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
     r = cfg.rollout
@@ -110,15 +112,18 @@ def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer,
             with timer("values"), accelerator.autocast():
                 parts["values"].append(response_values(critic, micro))
     batch.update({k: torch.cat(v) for k, v in parts.items()})
-    batch["scores"] = score_responses(tokenizer, batch, rows["ground_truth"], cfg.data.reward_method)
     return batch
 
 
-def score_responses(tokenizer, batch, ground_truths: list[str], method: str) -> torch.Tensor:
-    """(B,) float32 GSM8K rule scores of the decoded responses."""
-    texts = tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True)
-    scores = [compute_score(text, truth, method=method) for text, truth in zip(texts, ground_truths)]
-    return torch.tensor(scores, dtype=torch.float32, device=batch["response_ids"].device)
+def score_responses(reward_fn: rewards.RewardFn, tokenizer, batch, rows) -> torch.Tensor:
+    """(B,) float32 scores of the batch's responses by the configured reward (rlhf.rewards.score): each row's
+    prompt decoded with its special tokens, its response's tokens up to and including the stop token (the
+    response mask), and the rows' other columns as the function's fields."""
+    lengths = batch["response_mask"].sum(dim=1).tolist()
+    completion_ids = [ids[:length] for ids, length in zip(batch["response_ids"].tolist(), lengths)]
+    prompts = tokenizer.batch_decode(rows["input_ids"])
+    fields = {key: values for key, values in rows.items() if key != "input_ids"}
+    return rewards.score(reward_fn, tokenizer, prompts, completion_ids, fields).to(batch["response_ids"].device)
 
 
 def update(cfg: Config, accelerator, models, optimizers, batch, kl_ctrl, step: int,
@@ -268,11 +273,13 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_ids: int | tuple[in
 
 
 @torch.no_grad()
-def evaluate(cfg: Config, accelerator, actor, tokenizer, val_set, step: int = 0) -> dict[str, float]:
+def evaluate(cfg: Config, accelerator, run: Setup, step: int = 0) -> dict[str, float]:
     """Greedy `val/accuracy` on the held-out split; with trainer.val_samples = n > 0 also n responses per
     problem sampled at the rollout's temperature, for `val/pass@k` (k = 1, 2, 4, ..., n) and `val/maj@n`
-    (rlhf/evaluation.py), their noise seeded by (seed, step, process). Each process takes its share."""
-    model, n, r = accelerator.unwrap_model(actor), cfg.trainer.val_samples, cfg.rollout
+    (rlhf/evaluation.py), their noise seeded by (seed, step, process). Each process takes its share. A response
+    is right when the run's reward scores it at least reward.correct_threshold (RewardFn.is_correct)."""
+    tokenizer, val_set, reward_fn = run.tokenizer, run.val_set, run.reward
+    model, n, r = accelerator.unwrap_model(run.models[0]), cfg.trainer.val_samples, cfg.rollout
     greedy = SamplingParams(cfg.data.max_response_length, greedy=True)
     sampled = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p)
     noise = paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device, "val") if n else None
@@ -289,14 +296,17 @@ def evaluate(cfg: Config, accelerator, actor, tokenizer, val_set, step: int = 0)
                            accelerator.num_processes)
     for mine in tqdm(batches, desc="eval", leave=False, disable=not accelerator.is_local_main_process):
         rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see eval_batches)
-        scores = score_responses(tokenizer, decode(rows, greedy), rows["ground_truth"], cfg.data.reward_method)
-        sums[:2] += torch.tensor([scores[:len(mine)].sum().item(), len(mine)], dtype=torch.float64)
+        correct = reward_fn.is_correct(score_responses(reward_fn, tokenizer, decode(rows, greedy), rows).tolist())
+        sums[:2] += torch.tensor([sum(correct[:len(mine)]), len(mine)], dtype=torch.float64)
         if n:
-            texts = tokenizer.batch_decode(decode(ppo.repeat_prompts(rows, n)[0], sampled, noise)["response_ids"],
-                                           skip_special_tokens=True)
+            repeated = ppo.repeat_prompts(rows, n)[0]
+            batch = decode(repeated, sampled, noise)
+            correct = reward_fn.is_correct(score_responses(reward_fn, tokenizer, batch, repeated).tolist())
+            answers = reward_fn.answers(tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True))
             for i in range(len(mine)):
-                sums[2:] += torch.tensor(evaluation.sampled_scores(texts[i * n:(i + 1) * n], rows["ground_truth"][i],
-                                                                   cfg.data.reward_method, sizes), dtype=torch.float64)
+                group = slice(i * n, (i + 1) * n)
+                sums[2:] += torch.tensor(evaluation.sampled_scores(correct[group], answers[group], sizes),
+                                         dtype=torch.float64)
     sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
     values = (sums[[0, *range(2, len(sums))]] / sums[1].clamp(min=1)).tolist()
     return dict(zip(["val/accuracy", *(f"val/pass@{k}" for k in sizes), *([f"val/maj@{n}"] if n else [])], values))
@@ -341,10 +351,10 @@ def main(cfg: Config) -> dict[str, float]:
         return save_checkpoint(accelerator, out_dir, step, cfg.trainer.max_ckpt_to_keep,
                                info={"adv_estimator": cfg.algorithm.adv_estimator})
 
-    actor, total = run.models[0], cfg.trainer.total_steps
+    total = cfg.trainer.total_steps
     metrics: dict[str, float] = {}
     if state.step == 0:
-        metrics = evaluate(cfg, accelerator, actor, run.tokenizer, run.val_set, step=0)
+        metrics = evaluate(cfg, accelerator, run, step=0)
         logger.log(metrics, step=0)
         accelerator.print(f"step 0: val/accuracy={metrics['val/accuracy']:.3f}")
     progress = tqdm(range(state.step + 1, total + 1), desc="ppo", initial=state.step, total=total,
@@ -358,7 +368,7 @@ def main(cfg: Config) -> dict[str, float]:
                     state.bad_steps = state.bad_steps + 1 if skipped else 0
                     if ppo.should_evaluate(step, total, cfg.trainer.test_freq):
                         with timer("testing"):
-                            metrics.update(evaluate(cfg, accelerator, actor, run.tokenizer, run.val_set, step))
+                            metrics.update(evaluate(cfg, accelerator, run, step))
                 metrics.update(timer.metrics())
                 metrics.update({"actor/skipped_updates": skipped,
                                 "perf/throughput": num_tokens / metrics["timing_s/step"] / accelerator.num_processes})
@@ -405,7 +415,8 @@ def start_accelerator(cfg: Config) -> Accelerator:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: train; returns the exit status (2 for a bad config, 1 after too many bad steps)."""
+    """The command line: train; returns the exit status (2 for a bad config or a reward function's refused
+    result, 1 after too many bad steps)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML file under configs/ (only what differs from the defaults)")
@@ -413,7 +424,9 @@ def cli(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         main(load_config(args.config, args.overrides))
-    except ConfigError as e:  # raised before any model loads (main() checks what needs the process count)
+    # ConfigError is raised before any model loads (main() checks what needs the process count); RewardError at
+    # the reward function's first result, before it reaches an update (step 0's evaluation, or the first step).
+    except (ConfigError, rewards.RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BadStepsError as e:

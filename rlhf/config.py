@@ -55,7 +55,13 @@ class DataConfig:
     max_response_length: int = 256  # generation stops at EOS or here
     train_batch_size: int = 64  # prompts per PPO step, over all processes
     val_batch_size: int = 64  # prompts per greedy-evaluation batch on each process
-    reward_method: str = "strict"  # strict: last "#### N"; flexible: last number
+    reward_method: str = "strict"  # GSM8K's rule (the default reward.function): strict: last "#### N"; flexible: last number
+
+
+@dataclass
+class RewardConfig:
+    function: str = "rlhf.rewards.gsm8k:reward_func"  # <module>:<callable> that scores the responses: fn(prompts=, completions=, completion_ids=, **fields) -> one number per response (TRL's reward_funcs convention, docs/training.md#rewards); the default is GSM8K's rule
+    correct_threshold: float = 1.0  # a held-out response counts as right (val/accuracy, val/pass@k, val/maj@n) when its score is at least this; GSM8K's rule scores 1 or 0
 
 
 @dataclass
@@ -178,6 +184,7 @@ class SyntheticConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -396,6 +403,9 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
         raise ConfigError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {a.gamma!r} and {a.lam!r}.")
     if ac.clip_ratio_c <= 1.0:
         raise ConfigError(f"config key 'actor.clip_ratio_c' (dual clip) must be > 1, got {ac.clip_ratio_c!r}.")
+    if not math.isfinite(cfg.reward.correct_threshold):
+        raise ConfigError("config key 'reward.correct_threshold' must be a finite number, "
+                          f"got {cfg.reward.correct_threshold!r}.")
     checked("actor.loss_agg_mode", core_algos.check_loss_agg_mode, ac.loss_agg_mode)
     checked("algorithm.adv_estimator", core_algos.check_adv_estimator, a.adv_estimator)
     checked("algorithm.kl_penalty", kl.check_estimator, a.kl_penalty, allow_full=True)
@@ -412,6 +422,9 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
     # runs unchanged on more processes.
     _divides("actor.ppo_micro_batch_size", min(ac.ppo_micro_batch_size, per_process_mini),
              "actor.ppo_mini_batch_size per process x rollout.n", per_process_mini)
+    from rlhf.rewards import load_reward
+
+    load_reward(cfg)  # imports reward.function and checks that it takes the trainer's keyword call
     if t.resume_from not in (None, "auto") and not os.path.isdir(t.resume_from):
         raise ConfigError(f"trainer.resume_from={t.resume_from!r} is not a directory (use a checkpoint dir or 'auto').")
     if m.path in SYNTHETIC_TASKS or d.train_files in SYNTHETIC_TASKS:
@@ -459,4 +472,9 @@ def warnings_for(cfg: Config) -> list[str]:
                    "whose advantage is its own score (no baseline); sample several (rollout.n=4, say).")
     if ac.use_kl_loss and ac.kl_loss_coef == 0:
         out.append("actor.use_kl_loss=true with actor.kl_loss_coef=0: the KL loss does nothing.")
+    from rlhf.rewards import GSM8K_REWARD
+
+    if cfg.data.reward_method != "strict" and cfg.reward.function != GSM8K_REWARD:
+        out.append(f"data.reward_method={cfg.data.reward_method} with reward.function={cfg.reward.function}: the "
+                   f"method is GSM8K's rule's ({GSM8K_REWARD}), which this run does not use.")
     return out

@@ -1,19 +1,21 @@
 """Sampled evaluation on held-out problems: pass@k and maj@k from n responses per problem.
 
-    counts = [sum(scores of problem i's n responses) for i in problems]
     pass_at_k(n, c, k)          # Chen et al. 2021's unbiased estimator of P(one of k samples is right)
-    majority_answer(answers)    # maj@n: the most frequent final answer, scored like any response
+    majority_vote(answers)      # maj@n: the first response giving the most frequent final answer
+    sampled_scores(correct, answers, sizes)   # one problem's pass@k for each k, then maj@n
 
 The trainer's `evaluate` draws `trainer.val_samples` responses per problem at the sampling temperature and
-logs `val/pass@k` for k = 1, 2, 4, ... up to n and `val/maj@n`, next to greedy `val/accuracy`. pass@k minus
-pass@1 is the headroom RL can turn into pass@1: answers the policy already finds, but not reliably.
+logs `val/pass@k` for k = 1, 2, 4, ... up to n and `val/maj@n`, next to greedy `val/accuracy`. Whether a
+response is right and what its final answer is come from the run's reward (rlhf.rewards.RewardFn:
+`is_correct`, `answers`). pass@k minus pass@1 is the headroom RL can turn into pass@1: answers the policy
+already finds, but not reliably.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from decimal import Decimal
+from collections.abc import Hashable
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -34,22 +36,20 @@ def pass_at_k_sizes(num_samples: int) -> list[int]:
     return sorted({2**i for i in range(num_samples.bit_length()) if 2**i < num_samples} | {num_samples})
 
 
-def majority_answer(answers: list[str | None]) -> str | None:
-    """The most frequent final answer, compared as decimal values ("5" and "5.00" vote together); responses
-    without an answer (None) do not vote; a tie goes to the answer given first. None if nobody answered."""
-    votes = Counter(Decimal(a) for a in answers if a is not None)
+def majority_vote(answers: list[Hashable | None]) -> int | None:
+    """The index of the first response that gives the most frequent final answer (answers compared with ==,
+    so GSM8K's decimal values "5" and "5.00" vote together); responses without an answer (None) do not vote;
+    a tie goes to the answer given first. None if nobody answered."""
+    votes = Counter(a for a in answers if a is not None)
     if not votes:
         return None
     top = max(votes.values())
-    first = next(Decimal(a) for a in answers if a is not None and votes[Decimal(a)] == top)
-    return str(first)
+    return next(i for i, a in enumerate(answers) if a is not None and votes[a] == top)
 
 
-def sampled_scores(texts: list[str], ground_truth: str, method: str, sizes: list[int]) -> list[float]:
-    """pass@k for each k in `sizes`, then maj@n, of one problem's n sampled responses `texts`."""
-    from rlhf.rewards.gsm8k import compute_score, extract_solution
-
-    num_correct = sum(compute_score(text, ground_truth, method) == 1.0 for text in texts)
-    majority = majority_answer([extract_solution(text, method) for text in texts])
-    maj = 0.0 if majority is None else compute_score(f"#### {majority}", ground_truth)
-    return [pass_at_k(len(texts), num_correct, k) for k in sizes] + [maj]
+def sampled_scores(correct: list[bool], answers: list[Hashable | None], sizes: list[int]) -> list[float]:
+    """pass@k for each k in `sizes`, then maj@n, of one problem's n sampled responses, from whether each is
+    right and its final answer: maj@n is 1 when a response giving the majority answer is right."""
+    majority = majority_vote(answers)
+    maj = 0.0 if majority is None else float(correct[majority])
+    return [pass_at_k(len(correct), sum(correct), k) for k in sizes] + [maj]

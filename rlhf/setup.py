@@ -1,4 +1,4 @@
-"""Building a run: data and models through the hub code path, optimizers, sampler, KL controller.
+"""Building a run: data and models through the hub code path, optimizers, sampler, KL controller, reward.
 
     run = setup(cfg, accelerator)       # what train.py's main() uses
     run = build_setup(cfg, accelerator, tokenizer, train_set, val_set, *load_models(cfg, model_path))
@@ -19,6 +19,7 @@ from rlhf import core_algos, kl, synthetic
 from rlhf.config import Config
 from rlhf.data import load_gsm8k, tokenize_prompts
 from rlhf.models import load_causal_lm, load_critic, load_tokenizer
+from rlhf.rewards import RewardFn, load_reward
 from rlhf.sampler import PromptSampler
 
 
@@ -33,6 +34,7 @@ class Setup:
     optimizers: tuple  # (actor_opt, critic_opt), critic_opt None without a critic
     sampler: PromptSampler
     kl_ctrl: kl.FixedKLController | kl.AdaptiveKLController
+    reward: RewardFn  # reward.function, which scores the responses (rlhf/rewards)
 
 
 def setup(cfg: Config, accelerator: Accelerator) -> Setup:
@@ -46,7 +48,7 @@ def setup(cfg: Config, accelerator: Accelerator) -> Setup:
 
 
 def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val_set, actor, critic, ref) -> Setup:
-    """Everything after loading: seed, optimizers, accelerate's wrapping, sampler, KL controller."""
+    """Everything after loading: seed, optimizers, accelerate's wrapping, sampler, KL controller, reward."""
     # Seeded after the models load: building the embedded cache (or not, when it exists) draws random
     # numbers, and the run must not depend on whether it did. Seed + process index: ranks sample differently.
     set_seed(cfg.trainer.seed, device_specific=True)
@@ -68,7 +70,7 @@ def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val
     kc = cfg.algorithm.kl_ctrl
     return Setup(tokenizer, train_set, val_set, (actor, critic, ref), (actor_opt, critic_opt),
                  PromptSampler(len(train_set), cfg.data.train_batch_size, cfg.trainer.seed),
-                 kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon))
+                 kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), load_reward(cfg))
 
 
 def shard_on_cpu(accelerator: Accelerator) -> None:

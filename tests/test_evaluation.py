@@ -11,7 +11,9 @@ from helpers import tiny_overrides
 import train
 from rlhf import evaluation
 from rlhf.config import load_config
-from rlhf.evaluation import majority_answer, pass_at_k, pass_at_k_sizes, sampled_scores
+from rlhf.evaluation import majority_vote, pass_at_k, pass_at_k_sizes, sampled_scores
+from rlhf.rewards import RewardFn, load_reward
+from rlhf.rewards.gsm8k import final_answer
 from rlhf.tracking import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,14 +38,25 @@ def test_pass_at_k_refuses_impossible_counts():
 
 
 def test_majority_vote_groups_equal_values_skips_non_answers_and_breaks_ties_by_first_seen():
-    assert majority_answer(["5", "5.00", "7", None, None, None]) == "5"
-    assert majority_answer(["7", "5", "5", "7"]) == "7"
-    assert majority_answer([None, None]) is None
+    answers = [final_answer(t) for t in ["#### 5", "#### 5.00", "#### 7", "no answer", "none", "still none"]]
+    assert majority_vote(answers) == 0  # 5 and 5.00 are one answer
+    assert majority_vote(["7", "5", "5", "7"]) == 0 and majority_vote(["x", "y", "y"]) == 1
+    assert majority_vote([None, None]) is None
+
+
+def test_sampled_scores_of_gsm8k_responses_are_todays_rule():
+    """pass@k counts the responses GSM8K's rule scores 1, maj@n scores the majority answer: 12 is right in 2 of
+    6, the majority (3) is wrong; with 3 as the reference the majority is right."""
     texts = ["so #### 12", "#### 12.0", "#### 3", "no answer", "#### 3", "#### 3"]
-    # 12 is right in 2 of 6; the majority (3) is wrong
-    assert sampled_scores(texts, "#### 12", "strict", [1, 2, 6]) == pytest.approx(
-        [2 / 6, pass_at_k(6, 2, 2), 1.0, 0.0])
-    assert sampled_scores(texts, "3", "strict", [1])[-1] == 1.0
+    reward = load_reward(load_config())
+
+    def scores(ground_truth):
+        values = reward([""] * 6, texts, [[]] * 6, {"ground_truth": [ground_truth] * 6})
+        return sampled_scores(reward.is_correct(values), reward.answers(texts), [1, 2, 6])
+
+    assert scores("#### 12") == pytest.approx([2 / 6, pass_at_k(6, 2, 2), 1.0, 0.0])
+    assert scores("3")[-1] == 1.0 and scores("3")[0] == pytest.approx(3 / 6)
+    assert sampled_scores([False, True, True], ["a", None, "b"], [1])[-1] == 0.0  # "a" came first
 
 
 def test_sampled_evaluation_is_logged_and_leaves_training_unchanged(artifacts, tmp_path, monkeypatch):
@@ -51,13 +64,15 @@ def test_sampled_evaluation_is_logged_and_leaves_training_unchanged(artifacts, t
     those samples (their own noise stream) changes nothing in training: every other logged number is equal."""
     recorded, rng = [], random.Random(0)
 
-    def recording(texts, ground_truth, method, sizes):
+    def recording(correct, answers, sizes):
         """Stands in for the scorer (the tiny model never answers right): known values to average."""
-        assert len(texts) == 4 and len(set(texts)) > 1 and sizes == [1, 2, 4]  # 4 samples, not 4 greedy copies
+        assert len(correct) == 4 and len(set(answers)) > 1 and sizes == [1, 2, 4]  # 4 samples, not 4 greedy copies
         recorded.append([rng.random() for _ in range(len(sizes) + 1)])
         return recorded[-1]
 
     monkeypatch.setattr(evaluation, "sampled_scores", recording)
+    # The completions themselves as the answers (GSM8K's final answers of the tiny model are mostly None).
+    monkeypatch.setattr(RewardFn, "answers", lambda self, completions: list(completions))
     runs = {}
     for n in (0, 4):
         out = str(tmp_path / f"n{n}")

@@ -16,9 +16,9 @@ repeat the uninterrupted run.
 
 To make the two runs see the same batch, sampling keeps only the most likely token (`rollout.top_k=1`:
 two processes draw from two RNG streams, so with sampling their tokens would differ), and one mini-batch
-per epoch holds the whole batch (so both runs take the same optimizer steps). The GSM8K scorer is
-replaced by the parity of the reference answer: known in advance, so the accuracy of the whole held-out
-set is known, and non-zero, so the rewards and advantages are too.
+per epoch holds the whole batch (so both runs take the same optimizer steps). The reward is the parity of
+the reference answer (`reward.function`, a module the test writes next to the harness): known in advance,
+so the accuracy of the whole held-out set is known, and non-zero, so the rewards and advantages are too.
 """
 
 import json
@@ -47,12 +47,11 @@ CLOSE = ["actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/reward_kl_pe
          "critic/grad_norm", "kl/k1", "kl/k2", "kl/k3", "kl/abs", "kl/full"]
 
 HARNESS = '''
-"""train.py's command line with two test hooks: a parity scorer, and a record of each rank's disk changes."""
+"""train.py's command line with a record of each rank's disk changes (its folder holds parity_reward.py)."""
 import json, os, sys
 sys.path.insert(0, os.environ["REPO"])
 import train
 
-train.compute_score = lambda response, ground_truth, method="strict": float(int(ground_truth) % 2 == 0)
 changes = []
 def record(event, args):  # Python-level writes (torch.save's C++ writer is not seen)
     if event == "open" and isinstance(args[0], (str, os.PathLike)) and (
@@ -69,12 +68,22 @@ sys.exit(code)
 '''
 
 
-def parity_score(response, ground_truth, method="strict"):
-    return float(int(ground_truth) % 2 == 0)
+PARITY_REWARD = """
+def reward(completions, ground_truth, **fields):
+    return [float(int(truth) % 2 == 0) for truth in ground_truth]
+"""
+
+
+@pytest.fixture(autouse=True)
+def parity_reward(tmp_path, monkeypatch):
+    """parity_reward.py in tmp_path, next to the harness `launch` writes, and importable here too."""
+    (tmp_path / "parity_reward.py").write_text(PARITY_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
 
 
 def overrides(artifacts, output_dir, loss_agg_mode, *extra) -> list[str]:
-    return tiny_overrides(artifacts, output_dir, f"data.max_val_samples={NUM_VAL}", "actor.ppo_mini_batch_size=8",
+    return tiny_overrides(artifacts, output_dir, "reward.function=parity_reward:reward",
+                          f"data.max_val_samples={NUM_VAL}", "actor.ppo_mini_batch_size=8",
                           "actor.ppo_epochs=2", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true",
                           "actor.kl_loss_type=k3+", f"actor.loss_agg_mode={loss_agg_mode}", "rollout.top_k=1",
                           f"trainer.total_steps={NUM_STEPS}", "trainer.logger=none", *extra)
@@ -108,8 +117,7 @@ def rank_writes(tmp_path, output_dir) -> dict[int, list[str]]:
                    if p.startswith(str(output_dir))] for rank in (0, 1)}
 
 
-def one_process_run(artifacts, monkeypatch, output_dir, args) -> list[dict]:
-    monkeypatch.setattr(train, "compute_score", parity_score)
+def one_process_run(output_dir, args) -> list[dict]:
     train.main(load_config(None, args))
     return read_metrics(output_dir / "metrics.jsonl")
 
@@ -144,12 +152,12 @@ CASES = {"token-mean": ("token-mean",), "seq-mean-token-mean": ("seq-mean-token-
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, case):
+def test_two_processes_agree_with_one(artifacts, tmp_path, case):
     out2 = tmp_path / "two"
     result = launch(tmp_path, overrides(artifacts, out2, *CASES[case]))
     assert "processes: 2 (MULTI_CPU)" in result.stdout
     out1 = tmp_path / "one"
-    one = one_process_run(artifacts, monkeypatch, out1, overrides(artifacts, out1, *CASES[case]))
+    one = one_process_run(out1, overrides(artifacts, out1, *CASES[case]))
     two = read_metrics(out2 / "metrics.jsonl")
     assert_agree(one, two, artifacts)
     if case == "grpo":
@@ -168,7 +176,7 @@ def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, case):
     assert torch.get_num_threads() == 1  # the comparison ran single-threaded on both sides
 
 
-def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_path, monkeypatch):
+def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_path):
     """configs/accelerate/fsdp.yaml as a user launches it (2 processes, no mixed precision on the CPU): the
     actor and critic sharded, the reference whole, generation through the sharded actor."""
     fsdp = ("--config_file", os.path.join(REPO, "configs", "accelerate", "fsdp.yaml"))
@@ -180,7 +188,7 @@ def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_pat
     assert "processes: 2 (FSDP)" in result.stdout
     uninterrupted = read_metrics(out2 / "metrics.jsonl")
     out1 = tmp_path / "one"
-    assert_agree(one_process_run(artifacts, monkeypatch, out1, overrides(artifacts, out1, "token-mean")),
+    assert_agree(one_process_run(out1, overrides(artifacts, out1, "token-mean")),
                  uninterrupted, artifacts)
 
     # The weights and optimizer states are sharded: one DCP file per rank for each model and optimizer.

@@ -20,6 +20,7 @@ import rlhf.setup
 import train
 from rlhf import core_algos, kl, ppo
 from rlhf.config import ActorConfig, load_config
+from rlhf.rewards import load_reward
 from rlhf.rewards.gsm8k import compute_score
 from rlhf.rollout import (SamplingParams, build_batch, generate, left_pad, logprobs_and_logits, response_mask_from_ids,
                           response_values)
@@ -408,8 +409,8 @@ def test_the_sampler_logprobs_are_the_old_ones_or_are_compared_with_them(setup_r
 
 def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup_run):
     """Old and reference log-probs, the exact KL and the values of the whole batch (here computed in chunks of
-    3 of 8), and the scores of the decoded responses; the tokens are those `generate` samples with the
-    configured temperature from the same seed."""
+    3 of 8), and the default reward's scores of the decoded responses (train.score_responses); the tokens are
+    those `generate` samples with the configured temperature from the same seed."""
     cfg, accelerator, (actor, critic, ref), tokenizer, rows, _ = setup_run("algorithm.use_kl_in_reward=true")
     torch.manual_seed(123)
     batch = train.rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, Timer())
@@ -427,7 +428,8 @@ def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup
         torch.testing.assert_close(batch["values"], response_values(critic, batch))
     assert not torch.allclose(batch["old_logprobs"], logprobs_and_logits(actor, batch, 1.0)[0])
     texts = tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True)
-    assert batch["scores"].tolist() == [compute_score(t, g) for t, g in zip(texts, rows["ground_truth"])]
+    scores = train.score_responses(load_reward(cfg), tokenizer, batch, rows)
+    assert scores.tolist() == [compute_score(t, g) for t, g in zip(texts, rows["ground_truth"])]
 
 
 def test_batch_metrics_are_the_batch_numbers(setup_run):
@@ -469,6 +471,7 @@ def test_kl_panel_is_the_exact_kl_of_each_real_token_computed_by_hand(setup_run,
     batch = train.rollout(cfg, accelerator, models, tokenizer, rows, Timer())
     mask = batch["response_mask"]
     assert mask.sum(1)[[1, 4, 6]].tolist() == [1, 4, 10] and (batch["prompt_mask"] == 0).any()
+    batch["scores"] = sampled["scores"]
     batch["token_rewards"] = ppo.token_rewards(batch["scores"], mask)
     batch["advantages"] = batch["returns"] = torch.zeros(mask.shape)
     metrics = train.batch_metrics(cfg, accelerator, batch, tokenizer.eos_token_id)

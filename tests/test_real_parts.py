@@ -20,8 +20,10 @@ from helpers import REPO
 from transformers import GenerationConfig
 
 from rlhf import real_parts
+from rlhf.config import load_config
 from rlhf.data import build_prompt, load_gsm8k, tokenize_prompts, write_jsonl
 from rlhf.models import load_tokenizer
+from rlhf.rewards import load_reward
 from rlhf.rollout import response_mask_from_ids
 from train import score_responses
 
@@ -156,7 +158,9 @@ def test_decode_then_score_round_trip(qwen):
     response_ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
     mask = response_mask_from_ids(response_ids, eos)
     assert mask.sum(dim=1).tolist() == [len(row) for row in rows]  # up to and including EOS
-    scores = score_responses(qwen, {"response_ids": response_ids}, ground_truths, "strict")
+    batch = {"response_ids": response_ids, "response_mask": mask}
+    rows = {"input_ids": [[0]] * len(responses), "ground_truth": ground_truths}
+    scores = score_responses(load_reward(load_config()), qwen, batch, rows)
     assert scores.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
     assert qwen.batch_decode(response_ids, skip_special_tokens=True)[0] == NATALIA_ANSWER
 

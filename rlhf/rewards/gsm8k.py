@@ -15,6 +15,9 @@ Where this scorer differs, on purpose:
   numbers and "12." as 12. Only ASCII digits count.
 - Answers are compared as exact decimal values (`decimal.Decimal`), so "1,234" == "1234", "5.00" == "5",
   "-0" == "0", while "0.1" != "0.10000001" (no float rounding).
+
+`reward_func` is the trainer's default `reward.function` (rlhf/rewards/__init__.py has the convention):
+`compute_score` of each completion, with `final_answer` as the answer maj@n votes on.
 """
 
 from __future__ import annotations
@@ -91,3 +94,19 @@ def compute_score(
     if reference is None:
         return 0.0
     return float(score) if Decimal(answer) == reference else float(format_score)
+
+
+def final_answer(completion: str, method: str = "strict") -> Decimal | None:
+    """The final answer of a completion as a decimal value ("5" and "5.00" are one answer), None if it has none."""
+    answer = extract_solution(completion, method)
+    return None if answer is None else Decimal(answer)
+
+
+def reward_func(prompts: list[str], completions: list[str], completion_ids: list[list[int]], ground_truth: list[str],
+                method: str = "strict", **fields) -> list[float]:
+    """The GSM8K rule as a reward function (TRL's reward_funcs convention): compute_score of each completion
+    against its ground truth; the trainer passes data.reward_method as `method`."""
+    return [compute_score(text, truth, method=method) for text, truth in zip(completions, ground_truth, strict=True)]
+
+
+reward_func.extract_answer = final_answer  # what maj@n votes on (rlhf.rewards.RewardFn.answers)
