@@ -40,6 +40,7 @@ from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_step
                              latest_checkpoint, save_checkpoint)
 from rlhf.compare.labels import kl_tags
 from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
+from rlhf.landing import start_landing
 from rlhf.processes import (eval_batches, mean_over_processes, process_share, stop_rule, sum_over_processes,
                             token_weighted_means)
 from rlhf.rollout import (SamplingParams, generate, is_stop_token, left_pad, logprobs_and_logits,
@@ -332,6 +333,7 @@ def main(cfg: Config) -> dict[str, float]:
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             f.write(resolved)
     run = setup(cfg, accelerator)
+    landing = start_landing(cfg, accelerator, run)  # a synthetic task's theory/* metrics; None otherwise
     state = TrainerState()
     accelerator.register_for_checkpointing(state)
     if resume_dir:
@@ -355,6 +357,8 @@ def main(cfg: Config) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if state.step == 0:
         metrics = evaluate(cfg, accelerator, run, step=0)
+        if landing:
+            metrics.update(landing.metrics(accelerator.unwrap_model(run.models[0])))
         logger.log(metrics, step=0)
         accelerator.print(f"step 0: val/accuracy={metrics['val/accuracy']:.3f}")
     progress = tqdm(range(state.step + 1, total + 1), desc="ppo", initial=state.step, total=total,
@@ -370,6 +374,8 @@ def main(cfg: Config) -> dict[str, float]:
                         with timer("testing"):
                             metrics.update(evaluate(cfg, accelerator, run, step))
                 metrics.update(timer.metrics())
+                if landing:  # exact, from the logits (rlhf/landing.py)
+                    metrics.update(landing.metrics(accelerator.unwrap_model(run.models[0])))
                 metrics.update({"actor/skipped_updates": skipped,
                                 "perf/throughput": num_tokens / metrics["timing_s/step"] / accelerator.num_processes})
                 if torch.accelerator.is_available():  # verl's name; the peak of this process's device so far
@@ -388,6 +394,8 @@ def main(cfg: Config) -> dict[str, float]:
                         break
     finally:
         logger.finish()
+    if landing and accelerator.is_main_process:  # pi_ref, the final policy and every candidate
+        landing.write(os.path.join(out_dir, "theory.json"), accelerator.unwrap_model(run.models[0]))
     return metrics
 
 

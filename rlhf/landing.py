@@ -58,6 +58,26 @@ def arm_rewards(reward_score, task: str, vocab_size: int, prompt_ids: list[int],
     return torch.as_tensor(scores, dtype=torch.float64).reshape((vocab_size,) * synthetic.response_length(task))
 
 
+def start_landing(cfg, accelerator, run) -> "Landing | None":
+    """The run's Landing on a synthetic task (None otherwise), from `run` (rlhf.setup.Setup) as setup built it:
+    its actor is pi_ref (built before any checkpoint is loaded), its reward the configured one, called on every
+    response with the first training row's prompt and fields."""
+    if cfg.model.path not in synthetic.TASKS:
+        return None
+    from rlhf import rewards
+
+    actor = accelerator.unwrap_model(run.models[0])
+    row = run.train_set[0]
+    fields = {key: value for key, value in row.items() if key != "input_ids"}
+
+    def reward_score(prompt_ids, completion_ids, fields):
+        prompts = run.tokenizer.batch_decode(prompt_ids)
+        return rewards.score(run.reward, run.tokenizer, prompts, completion_ids, fields)
+
+    table = arm_rewards(reward_score, cfg.model.path, actor.config.vocab_size, row["input_ids"], fields)
+    return Landing.for_run(cfg, actor, table)
+
+
 def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
     return torch.where(p > 0, p * (p.log() - q.log()), 0.0).sum().item()
 

@@ -14,11 +14,13 @@ import time
 
 from rlhf.compare.grid import (DEFAULT_GRID, GRIDS, GRPO_GRID, REGIMES, Arm, grid_jobs, run_grid, run_overrides,
                                seed_list, shared_overrides)
+from rlhf.compare.landing import LANDING_GRID, VARIANTS, landing_report, variant_dir
 from rlhf.compare.report import write_report
 from rlhf.config import ConfigError, load_config
 
 
 DEFAULT_JOBS = min(2, os.cpu_count() or 1)
+LANDING_TASKS = ("bandit", "tree")  # --grid bandit | tree: the synthetic tasks, rlhf/compare/landing.py
 
 
 def _regimes_text() -> str:
@@ -46,9 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
                "(see kl_estimators.md).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     grid = parser.add_argument_group("the grid")
-    grid.add_argument("--grid", choices=GRIDS, default="ppo",
+    grid.add_argument("--grid", choices=(*GRIDS, *LANDING_TASKS), default="ppo",
                       help="which default runs, config and output dir: ppo (GAE with a critic, configs/tiny.yaml) "
-                           "or grpo (configs/tiny_grpo.yaml); see below (default: %(default)s)")
+                           "or grpo (configs/tiny_grpo.yaml); see below; bandit or tree: every estimator x "
+                           "placement under rloo, grpo and gae on configs/<task>.yaml, against where the "
+                           "analysis says each lands (rlhf/compare/landing.py) (default: %(default)s)")
+    grid.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
+                      help="--grid bandit/tree: the advantage estimators to run (default: all)")
     grid.add_argument("--runs", nargs="+", metavar="RUN", default=None,
                       help="runs to make, each reward:<estimator>, loss:<estimator>, loss-corrected:<estimator> "
                            "or no-kl (default: the grid's, below)")
@@ -93,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m rlhf.compare` with `argv` (None: sys.argv[1:]). Returns the exit code: 0, 1 if a run
     failed (the others and the report still made), 2 for a bad run name, seed count or config."""
     args = build_parser().parse_args(argv)
+    if args.grid in LANDING_TASKS:
+        return landing_main(args)
     grid = GRIDS[args.grid]
     args.runs = list(grid.runs) if args.runs is None else args.runs
     args.config = args.config or grid.config
@@ -146,3 +154,46 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
+
+
+def landing_main(args) -> int:
+    """`--grid bandit` / `--grid tree`: every run of LANDING_GRID (or --runs) under each of --variants, with
+    --seeds seeds, then the landing report. Exit codes as main's."""
+    config = os.path.join(os.path.dirname(GRIDS["ppo"].config), f"{args.grid}.yaml")
+    output_dir = os.path.abspath(args.output_dir or f"outputs/landing_{args.grid}")
+    runs = list(LANDING_GRID) if args.runs is None else args.runs
+    args.overrides += [text for text in runs if "=" in text]
+    try:
+        arms = [Arm.parse(text) for text in runs if "=" not in text]
+        base = load_config(config, args.overrides)
+        seeds = seed_list(base.trainer.seed if args.seed is None else args.seed, args.seeds)
+    except (ValueError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    variants = args.variants or list(VARIANTS)
+    kl_coef = args.kl_coef if args.kl_coef is not None else base.algorithm.kl_ctrl.kl_coef
+    cache_dir = os.path.abspath(args.cache_dir or os.path.join(output_dir, "cache"))
+    one_seed = seeds[0] if len(seeds) == 1 else None  # one seed: in the shared overrides (grid_jobs' layout)
+    shared = shared_overrides(args.steps, kl_coef, one_seed, args.group or f"landing-{args.grid}")
+    extra = ["trainer.logger=none", *args.overrides] if args.no_wandb else list(args.overrides)
+    try:  # every run's config is checked before the first one starts
+        for variant in variants:
+            for arm, seed in grid_jobs(arms, seeds):
+                load_config(config, run_overrides(arm, variant_dir(output_dir, variant), cache_dir, shared,
+                                                  [*VARIANTS[variant], *extra], seed))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(arms)} runs x {len(variants)} advantage estimators ({', '.join(variants)}) x {len(seeds)} "
+          f"seed(s), KL coefficient {kl_coef}, in {output_dir}, {args.jobs} at a time", flush=True)
+    start, status = time.perf_counter(), {}
+    for variant in variants:
+        status.update({f"{variant} {key}": result for key, result in run_grid(
+            arms, config, variant_dir(output_dir, variant), cache_dir, shared, [*VARIANTS[variant], *extra],
+            args.skip_done, None, seeds, args.jobs).items()})
+    print(f"grid finished in {(time.perf_counter() - start) / 60:.1f} min")
+    print(landing_report(output_dir, seeds, args.grid))
+    failed = [name for name, s in status.items() if s.startswith("failed")]
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0

@@ -88,13 +88,21 @@ class RewardFn:
         return [extract(text, **self.kwargs) for text in completions]
 
 
+def prompt_fields(cfg) -> tuple[str, ...]:
+    """The columns the prompt rows of `cfg`'s data carry besides input_ids: PROMPT_FIELDS, and a synthetic
+    task's reward table (`rewards`, rlhf.synthetic.build_datasets)."""
+    from rlhf.config import SYNTHETIC_TASKS
+
+    return (*PROMPT_FIELDS, "rewards") if cfg.model.path in SYNTHETIC_TASKS else PROMPT_FIELDS
+
+
 def load_reward(cfg) -> RewardFn:
     """The reward of config `cfg` (its `reward` section; data.reward_method for GSM8K's rule), imported and
     checked against the prompt rows' fields. Raises ConfigError."""
     name = cfg.reward.function
     fn = import_reward(name)
     kwargs = {"method": cfg.data.reward_method} if name == GSM8K_REWARD else {}
-    check_signature(fn, name, dict.fromkeys(PROMPT_FIELDS), kwargs)
+    check_signature(fn, name, dict.fromkeys(prompt_fields(cfg)), kwargs)
     return RewardFn(fn, name, kwargs, cfg.reward.correct_threshold)
 
 

@@ -1,0 +1,201 @@
+"""Where the trainer lands on the synthetic tasks: `python -m rlhf.compare --grid bandit` (or `--grid tree`).
+
+Every estimator (k1, k2, k3, abs, k1+, k3+, abs+, full) x placement (reward, loss), under each advantage
+estimator of VARIANTS (RLOO, the configs' default, whose fixed points are the textbook ones; GRPO with groups of
+8 and its std; GAE with a critic, gamma = lam = 1), with paired seeds, each run a plain train.py run of
+configs/bandit.yaml or configs/tree.yaml (rlhf.compare.grid.run_grid). Each run's theory.json holds its final
+distances to its own fixed point (where the analysis of rlhf.kl.fixed_points says that estimator x placement x
+advantage estimator lands) and to every textbook candidate; `landing_report` tabulates them over seeds:
+
+- landed: the final TV to its own fixed point, at most LANDED (0.03);
+- apart from each other candidate: the paired difference (TV to the candidate - TV to its own fixed point)
+  over seeds, resolved when its 95% interval excludes 0 (candidates within LANDED of the fixed point are the
+  same point, and not asked to be told apart);
+- the crossover (k3 in the loss at the forward-KL optimum, k3+ at the reverse one, under RLOO): each one's
+  margin, TV to the other optimum minus TV to its own, against 10x its spread over seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from rlhf.compare.grid import Arm, run_dir
+from rlhf.compare.stats import Estimate, excludes_zero
+from rlhf.kl.fixed_points import ESTIMATORS, PLACEMENTS
+
+LANDED = 0.03  # a run has landed on a point when its final total variation to it is at most this
+CROSSOVER_RATIO = 10.0  # the crossover's margin must exceed this many standard deviations over seeds
+# The advantage estimators each cell runs under: name -> train.py overrides.
+VARIANTS = {
+    "rloo": ("algorithm.adv_estimator=rloo", "rollout.n=8"),
+    "grpo": ("algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=true", "rollout.n=8"),
+    "gae": ("algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=1.0", "rollout.n=8"),
+}
+LANDING_GRID = tuple(f"{placement}:{estimator}" for estimator in ESTIMATORS for placement in PLACEMENTS)
+
+
+def variant_dir(output_dir: str, variant: str) -> str:
+    """Where one advantage estimator's runs go: <output_dir>/<variant>/<run>/seed<s>/."""
+    return os.path.join(output_dir, variant)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One estimator x placement x advantage estimator over seeds: each seed's theory.json."""
+
+    variant: str
+    arm: str  # "loss:k3", ...
+    records: dict[int, dict]  # seed -> theory.json
+
+    def distances(self, candidate: str) -> dict[int, float]:
+        """seed -> the final TV to `candidate` ("fixed_point", "reverse_optimum", ...)."""
+        return {seed: r["metrics"][f"theory/tv_to_{candidate}"] for seed, r in self.records.items()}
+
+    def estimate(self, candidate: str) -> Estimate:
+        return Estimate(tuple(self.distances(candidate)[s] for s in sorted(self.records)))
+
+    @property
+    def candidates(self) -> list[str]:
+        """The candidates other than the fixed point, as the runs name them."""
+        first = next(iter(self.records.values()))
+        return [name for name in first["candidates"] if name != "fixed_point"]
+
+    def same_point(self, candidate: str) -> bool:
+        """Whether `candidate` is within LANDED of the fixed point (in TV), so that landing on one is landing on
+        both."""
+        from rlhf.kl.fixed_points import tv
+        import torch
+
+        first = next(iter(self.records.values()))
+        point, other = (torch.tensor(first["candidates"][k], dtype=torch.float64) for k in ("fixed_point", candidate))
+        return tv(point, other) <= LANDED
+
+    def apart(self, candidate: str) -> Estimate:
+        """The paired difference, per seed, of the TV to `candidate` minus the TV to the fixed point."""
+        own, other = self.distances("fixed_point"), self.distances(candidate)
+        return Estimate(tuple(other[s] - own[s] for s in sorted(own)))
+
+
+def _run_path(output_dir: str, variant: str, arm: str, seed: int, seeds: list[int], name: str) -> str:
+    """A file of one run: run_dir's layout (a seed folder only with several seeds) under the variant's folder."""
+    layout_seed = seed if len(seeds) > 1 else None
+    return os.path.join(run_dir(variant_dir(output_dir, variant), Arm.parse(arm), layout_seed), name)
+
+
+def read_cells(output_dir: str, seeds: list[int]) -> list[Cell]:
+    """Every cell with a theory.json under output_dir (variant_dir / run_dir layout), in grid order."""
+    cells = []
+    for variant in VARIANTS:
+        for text in LANDING_GRID:
+            records = {}
+            for seed in seeds:
+                path = _run_path(output_dir, variant, text, seed, seeds, "theory.json")
+                if os.path.exists(path):
+                    with open(path, encoding="utf-8") as f:
+                        records[seed] = json.load(f)
+            if records:
+                cells.append(Cell(variant, text, records))
+    return cells
+
+
+def _fmt(e: Estimate, digits: int = 3) -> str:
+    return f"{e.mean:.{digits}f}" + ("" if e.half_width is None else f" ± {e.half_width:.{digits}f}")
+
+
+def cell_rows(cells: list[Cell]) -> list[str]:
+    """The report's table: one row per cell with its fixed point, the final TV to it (mean ± 95% over seeds,
+    and the largest), whether it landed, and per other candidate the TV to it and whether it is resolved apart."""
+    rows = ["| advantage | run | fixed point | seeds | TV to it | max | landed | other candidates: TV to each (apart?) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for cell in cells:
+        own = cell.estimate("fixed_point")
+        label = next(iter(cell.records.values()))["fixed_point"]
+        others = []
+        for name in cell.candidates:
+            tv = _fmt(cell.estimate(name))
+            if cell.same_point(name):
+                others.append(f"{name} {tv} (= fixed point)")
+            else:
+                apart = cell.apart(name)
+                verdict = "resolved" if excludes_zero(apart) and apart.mean > 0 else "NOT resolved"
+                others.append(f"{name} {tv} ({verdict})")
+        landed = "yes" if max(own.values) <= LANDED else "**no**"
+        rows.append(f"| {cell.variant} | {cell.arm} | {label} | {own.n} | {_fmt(own)} | {max(own.values):.3f} | "
+                    f"{landed} | {'; '.join(others)} |")
+    return rows
+
+
+def crossover(cells: list[Cell], variant: str = "rloo") -> list[str]:
+    """The crossover's lines: k3 in the loss against the forward-KL optimum, k3+ against the reverse one, each
+    margin (TV to the other optimum - TV to its own) with its spread over seeds and their ratio."""
+    lines = []
+    for arm, own, other in (("loss:k3", "forward_optimum", "reverse_optimum"),
+                            ("loss:k3+", "reverse_optimum", "forward_optimum")):
+        cell = next((c for c in cells if c.variant == variant and c.arm == arm), None)
+        if cell is None:
+            lines.append(f"- {arm} under {variant}: not run")
+            continue
+        margins = Estimate(tuple(cell.distances(other)[s] - cell.distances(own)[s] for s in sorted(cell.records)))
+        ratio = margins.mean / margins.sd if margins.sd else float("inf")
+        verdict = "met" if ratio >= CROSSOVER_RATIO else "missed"
+        lines.append(f"- {arm} under {variant}: TV to {own} {_fmt(cell.estimate(own))}, to {other} "
+                     f"{_fmt(cell.estimate(other))}; margin {margins.mean:.3f}, sd over seeds "
+                     f"{margins.sd if margins.sd is not None else float('nan'):.4f}: {ratio:.0f}x its spread "
+                     f"({verdict}, target {CROSSOVER_RATIO:.0f}x)")
+    return lines
+
+
+def landing_report(output_dir: str, seeds: list[int], task: str) -> str:
+    """Write <output_dir>/landing.md (the table, the crossover, the cells that did not land) and, with
+    matplotlib, <output_dir>/landing.png (TV to the fixed point against steps); returns the markdown."""
+    cells = read_cells(output_dir, seeds)
+    missed = [f"{c.variant} {c.arm}" for c in cells if max(c.estimate("fixed_point").values) > LANDED]
+    lines = [f"# Where the trainer lands: the {task}", "",
+             f"Final total variation to each point, mean ± 95% interval over seeds {seeds} (Student t); landed = "
+             f"every seed within {LANDED}; apart = the paired difference (TV to the candidate - TV to the fixed "
+             "point) resolved above 0.", "", *cell_rows(cells), ""]
+    if task == "bandit":
+        lines += ["The crossover:", "", *crossover(cells), ""]
+    lines += [f"Cells that did not land: {', '.join(missed) if missed else 'none'}."]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(output_dir, "landing.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    _figure(output_dir, cells, seeds, task)
+    return text
+
+
+def _figure(output_dir: str, cells: list[Cell], seeds: list[int], task: str) -> str:
+    """landing.png: per advantage estimator, the TV to the fixed point against steps (mean over seeds), one
+    line per cell, on a log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rlhf.tracking import read_metrics
+
+    variants = [v for v in VARIANTS if any(c.variant == v for c in cells)]
+    fig, axes = plt.subplots(1, len(variants), figsize=(5 * len(variants), 4), sharey=True, squeeze=False)
+    for ax, variant in zip(axes[0], variants):
+        for cell in (c for c in cells if c.variant == variant):
+            curves = []
+            for seed in cell.records:
+                path = _run_path(output_dir, variant, cell.arm, seed, seeds, "metrics.jsonl")
+                curves.append([(r["step"], r["theory/tv_to_fixed_point"]) for r in read_metrics(path)
+                               if "theory/tv_to_fixed_point" in r])
+            steps = [s for s, _ in curves[0]]
+            mean = [sum(c[i][1] for c in curves) / len(curves) for i in range(len(steps))]
+            ax.plot(steps, mean, lw=1, label=cell.arm)
+        ax.axhline(LANDED, color="k", ls="--", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_title(f"{task}, {variant}")
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("TV to its fixed point")
+    axes[0][-1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    path = os.path.join(output_dir, "landing.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
