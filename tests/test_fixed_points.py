@@ -10,6 +10,7 @@ import torch
 
 from rlhf import kl_theory
 from rlhf.kl import canonical
+from rlhf.kl import advantage_models as am
 from rlhf.kl import fixed_points as fp
 from rlhf.kl_theory import bandit_fixed_point, tree_fixed_point
 
@@ -290,3 +291,345 @@ def test_report_tables():
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "kl.md"), encoding="utf-8").read()
     section = docs[docs.index("## Where each estimator converges"):]
     assert [line for line in report.splitlines() if line not in section] == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer's advantage estimators (rlhf/kl/advantage_models.py; docs/kl.md, 'Where the advantage estimator
+# moves the fixed point')
+
+GROUP_MODELS = [("rloo", 2), ("rloo", 4), ("grpo", 2), ("grpo", 4), ("grpo", 8), ("drgrpo", 3), ("drgrpo", 8)]
+# Scores with few binary digits, so that the trainer's float32 group means are exact: a group of equal scores
+# then gets advantage 0 there too, as in the model (eight float32 scores of 0.7 get 0.056 each, from the
+# rounding of their mean over the group's std + 1e-6).
+DYADIC_SCORES = T(0.0, 0.25, 0.5, 0.75, 1.0, 0.125)
+
+
+def trainer_advantages(scores: torch.Tensor, arms: torch.Tensor, advantage: str) -> torch.Tensor:
+    """core_algos.group_outcome_advantages of groups of arms (G, n): each sample's advantage (G, n), float64."""
+    from rlhf import core_algos
+
+    num_groups, n = arms.shape
+    token_rewards = scores.float()[arms.flatten()][:, None]  # (G * n, 1): a one-token response
+    group_ids = torch.arange(num_groups).repeat_interleave(n)
+    estimator, norm_by_std = {"grpo": ("grpo", True), "drgrpo": ("grpo", False), "rloo": ("rloo", True)}[advantage]
+    advantages, _ = core_algos.group_outcome_advantages(token_rewards, torch.ones_like(token_rewards), group_ids,
+                                                        estimator, norm_by_std)
+    return advantages[:, 0].double().view(num_groups, n)
+
+
+def test_advantage_constants_are_the_trainers():
+    import inspect
+
+    from rlhf import core_algos
+
+    assert am.GROUP_STD_EPS == inspect.signature(core_algos.group_outcome_advantages).parameters["eps"].default
+    assert am.WHITEN_EPS == inspect.signature(core_algos.masked_whiten).parameters["eps"].default
+
+
+def test_compositions_enumerate_every_count_vector_once():
+    counts, log_coefficients = am.compositions(7, 6)
+    assert counts.shape == (math.comb(12, 5), 6) == (792, 6)
+    assert (counts.sum(-1) == 7).all() and (counts >= 0).all()
+    assert len({tuple(row) for row in counts.tolist()}) == 792
+    assert abs(log_coefficients.exp().sum().item() - 6 ** 7) < 1e-6  # the multinomial theorem
+    assert am.compositions(16, 6)[0].shape[0] == math.comb(21, 5) == 20349
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "drgrpo", "rloo"])
+def test_group_expected_advantages_equal_the_trainers_by_brute_force(advantage):
+    """Every one of the K^n ordered groups (K = 3, n = 4) through the trainer's own group_outcome_advantages,
+    weighted by its probability: E[A_1 | x_1 = x], to float32 rounding."""
+    import itertools
+
+    scores, n = T(0.25, 1.0, 0.5), 4
+    logprobs = torch.log(T(0.5, 0.3, 0.2))
+    arms = torch.tensor(list(itertools.product(range(3), repeat=n)))  # (81, n)
+    advantages = trainer_advantages(scores, arms, advantage)  # (81, n)
+    weight_of_others = logprobs[arms[:, 1:]].sum(-1).exp()  # P(x_2 .. x_n)
+    expected = torch.stack([(weight_of_others * advantages[:, 0])[arms[:, 0] == x].sum() for x in range(3)])
+    got = am.group_expected_advantages(scores, logprobs, advantage, n)
+    assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+    assert (got - expected).abs().max() < 1e-6 < (got - got.mean()).abs().max()
+
+
+def group_moments(scores, probs, advantage: str, n: int):
+    """E and E[.^2] of v_x = (1/n) sum_i A_i 1{x_i = x} over a group (K,) each, by enumerating all groups'
+    counts: the mean and exact spread of the Monte-Carlo check below."""
+    counts, log_coefficients = am.compositions(n, len(scores))  # (M, K)
+    weights = (log_coefficients + (counts * probs.log()).sum(-1)).exp()  # (M,)
+    first, second = torch.zeros_like(scores), torch.zeros_like(scores)
+    for x in range(len(scores)):
+        present = counts[:, x] > 0
+        others = counts[present] - torch.eye(len(scores), dtype=counts.dtype)[x]
+        v = counts[present, x] * am.own_advantages(others, scores, advantage)[:, x] / n
+        first[x], second[x] = (weights[present] * v).sum(), (weights[present] * v ** 2).sum()
+    return first, second
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "drgrpo", "rloo"])
+def test_group_expected_advantages_match_monte_carlo_of_the_trainer(advantage):
+    """K = 6, n = 8: groups sampled from pi, advantages from the trainer's code; the per-arm average of
+    (1/n) sum_i A_i 1{x_i = x}, pi_x E[A_1 | x_1 = x] in expectation, within 5 standard errors (the standard
+    deviation computed exactly, by enumeration), fixed seed."""
+    n, num_groups = 8, 200_000
+    probs = T(0.30, 0.25, 0.18, 0.12, 0.10, 0.05)
+    generator = torch.Generator().manual_seed(0)
+    arms = torch.multinomial(probs, num_groups * n, replacement=True, generator=generator).view(num_groups, n)
+    advantages = trainer_advantages(DYADIC_SCORES, arms, advantage)
+    per_group = torch.zeros(num_groups, 6, dtype=torch.float64).scatter_add_(1, arms, advantages / n)
+    exact = probs * am.group_expected_advantages(DYADIC_SCORES, probs.log(), advantage, n)
+    mean, square = group_moments(DYADIC_SCORES, probs, advantage, n)
+    assert torch.allclose(mean, exact, atol=1e-14, rtol=0)  # the joint form agrees with the conditional one
+    standard_error = ((square - mean ** 2) / num_groups).sqrt()
+    assert ((per_group.mean(0) - exact).abs() <= 5 * standard_error).all()
+    assert (exact.abs() > 20 * standard_error).any()  # a real signal, resolved
+
+
+@pytest.mark.parametrize("model", GROUP_MODELS, ids=lambda m: f"{m[0]}{m[1]}")
+def test_dr_grpo_and_rloo_expectations_in_closed_form(model):
+    """E[A_1 | x_1 = x] = (s_x - E_pi s) * (n - 1) / n for Dr. GRPO (the group mean includes the sample itself)
+    and * 1 for RLOO; grpo's std makes it no multiple of s_x - E_pi s."""
+    advantage, n = model
+    probs = torch.softmax(T(0.3, -1.1, 0.4, 0.9, 0.0, -0.5), -1)
+    got = am.group_expected_advantages(DYADIC_SCORES, probs.log(), advantage, n)
+    centred = DYADIC_SCORES - (probs * DYADIC_SCORES).sum()
+    if advantage == "grpo":
+        ratio = got / centred
+        assert spread(ratio) > 0.05 and (ratio > 0).all()
+    else:
+        factor = {"rloo": 1.0, "drgrpo": (n - 1) / n}[advantage]
+        assert torch.allclose(got, factor * centred, atol=1e-14, rtol=0)
+
+
+def test_a_group_of_equal_scores_has_advantage_zero():
+    """A group all on one arm: 0 for every estimator (grpo's eps keeps 0 / 0 away), also for tied arms."""
+    scores = T(0.3, 0.3, 0.7)
+    others = T(3.0, 0.0, 0.0)[None]  # x_1's three companions all on arm 0
+    for advantage in am.GROUP_ADVANTAGES:
+        own = am.own_advantages(others, scores, advantage)[0]
+        assert own[0].item() == 0.0 and own[1].item() == 0.0  # arm 1 ties with arm 0
+        assert own[2].item() != 0.0
+
+
+@pytest.mark.parametrize("advantage", am.GROUP_ADVANTAGES)
+def test_a_group_of_one_keeps_its_score(advantage):
+    """n = 1 (verl's rule, the trainer's): A = s, no baseline, whose expected gradient is the exact one."""
+    probs = torch.softmax(T(0.3, -1.1, 0.4), -1)
+    assert torch.equal(am.group_expected_advantages(T(0.2, 0.5, 0.9), probs.log(), advantage, 1), T(0.2, 0.5, 0.9))
+    ref, r, beta = BANDITS["seed0"]
+    for row in (("k1", "reward"), ("k3+", "loss")):
+        assert torch.allclose(bandit_fixed_point(ref, r, beta, *row, advantage=advantage, n=1),
+                              bandit_fixed_point(ref, r, beta, *row), atol=1e-10, rtol=0)
+
+
+def test_advantage_model_maps_the_trainers_config():
+    from rlhf import core_algos
+
+    assert am.advantage_model("grpo", True, 8) == am.AdvantageModel("grpo", 8)
+    assert am.advantage_model("grpo", False, 8) == am.AdvantageModel("drgrpo", 8)
+    assert am.advantage_model("rloo", False, 4) == am.advantage_model("rloo", True, 4) == am.AdvantageModel("rloo", 4)
+    assert am.advantage_model("gae", True, 4) == am.advantage_model("gae", False, 1) == am.AdvantageModel("gae")
+    for name in core_algos.ADV_ESTIMATORS:  # an estimator added to the trainer needs a model here
+        am.advantage_model(name, True, 4)
+    with pytest.raises(ValueError, match="gae"):
+        am.advantage_model("reinforce", True, 4)
+    assert am.AdvantageModel("grpo", 8).label == "grpo, n=8" and am.AdvantageModel().label == "exact"
+
+
+def test_bad_advantage_arguments_raise():
+    ref, r, beta = BANDITS["seed0"]
+    for bad, error in ((dict(advantage="ppo"), "unknown advantage model"), (dict(advantage="grpo"), "needs the group"),
+                       (dict(advantage="rloo", n=0), "needs the group"), (dict(advantage="gae", n=4), "no groups"),
+                       (dict(n=4), "no groups")):
+        with pytest.raises(ValueError, match=error):
+            bandit_fixed_point(ref, r, beta, "k1", "reward", **bad)
+        with pytest.raises(ValueError, match=error):
+            tree_fixed_point(REF1, REF2, R, BETA, "k1", "reward", **bad)
+
+
+def test_fixed_point_for_config_is_the_solver_with_its_model():
+    ref, r, beta = BANDITS["seed1"]
+    got = fp.fixed_point_for_config(ref, r, beta, "k3+", "loss", "grpo", False, 4)
+    assert torch.equal(got, bandit_fixed_point(ref, r, beta, "k3+", "loss", advantage="drgrpo", n=4))
+    first, second = fp.tree_fixed_point_for_config(REF1, REF2, R, BETA, "k3+", "loss", "gae", True, 4)
+    assert_tree((first, second), *tree_fixed_point(REF1, REF2, R, BETA, "k3+", "loss", advantage="gae"), atol=0)
+
+
+# Bandit fixed points under each advantage estimator
+
+@pytest.mark.parametrize("bandit", BANDITS)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("row", [("k1", "reward"), ("k2", "loss"), ("k3", "loss"), ("k3+", "loss"), ("abs", "loss"),
+                                 ("k2", "reward")], ids="-".join)
+def test_rloo_reaches_the_exact_fixed_point(row, n, bandit):
+    ref, r, beta = BANDITS[bandit]
+    assert torch.allclose(bandit_fixed_point(ref, r, beta, *row, advantage="rloo", n=n),
+                          bandit_fixed_point(ref, r, beta, *row), atol=1e-10, rtol=0)
+
+
+DR_GRPO_OPTIMA = {"k2": reverse_optimum, "k3+": reverse_optimum, "full": reverse_optimum,
+                  "k3": lambda ref, r, beta: fp.forward_kl_optimum(ref, r, beta),
+                  "abs": lambda ref, r, beta: fp.tv_optimum(ref, r, beta)}
+
+
+@pytest.mark.parametrize("bandit", BANDITS)
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("estimator", DR_GRPO_OPTIMA)
+def test_dr_grpo_with_a_kl_loss_reaches_the_optimum_at_beta_n_over_n_minus_1(estimator, n, bandit):
+    """Its policy gradient is (n - 1)/n of the exact one, the KL loss's is not scaled: beta acts as beta n/(n-1)."""
+    ref, r, beta = BANDITS[bandit]
+    probs = bandit_fixed_point(ref, r, beta, estimator, "loss", advantage="drgrpo", n=n)
+    optimum = DR_GRPO_OPTIMA[estimator](ref, r, beta * n / (n - 1))
+    if estimator == "abs" and ((r.max() - r - 2 * beta * n / (n - 1)).abs() < 1e-12).any():
+        # a gap of exactly 2 beta n/(n-1) (asymmetric, n = 2): the TV programme has a segment of optima
+        objective = lambda pi: ((pi * r).sum() - beta * n / (n - 1) * (pi - ref).abs().sum()).item()
+        assert abs(objective(probs) - objective(optimum)) < 1e-10
+    else:
+        assert torch.allclose(probs, optimum, atol=1e-10, rtol=0)
+    if estimator != "abs":  # (abs: the TV optimum can be the same at both coefficients)
+        assert fp.tv(probs, DR_GRPO_OPTIMA[estimator](ref, r, beta)) > 1e-3
+
+
+@pytest.mark.parametrize("bandit", BANDITS)
+@pytest.mark.parametrize("model", GROUP_MODELS + [("gae", None)], ids=lambda m: f"{m[0]}{m[1] or ''}")
+def test_a_kl_in_the_reward_keeps_betas_optimum_under_every_advantage_estimator(model, bandit):
+    """In the reward the penalty is inside the score, so at pi* every sample's score is the same and every
+    estimator's advantage is 0, whatever it divides by: the reverse-KL optimum at beta itself."""
+    ref, r, beta = BANDITS[bandit]
+    advantage, n = model
+    probs = bandit_fixed_point(ref, r, beta, "k1", "reward", advantage=advantage, n=n)
+    assert torch.allclose(probs, reverse_optimum(ref, r, beta), atol=1e-10, rtol=0)
+
+
+BANDIT6 = tuple(fp.example(fp.BANDIT6_EXAMPLE)[key] for key in ("ref_probs", "rewards", "beta"))
+BANDIT6_BINARY = tuple(fp.example(fp.BANDIT6_EXAMPLE)[key] for key in ("ref_probs", "binary_rewards", "beta"))
+
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+def test_grpo_std_with_a_kl_loss_stops_where_samuelsons_bound_meets_the_kl(n):
+    """Near the best arm, a group holding another arm y is one y among n - 1 best samples: A_y = -(n - 1)/sqrt(n),
+    the most negative a standardised score can be (Samuelson), whatever y's reward, while a k2-gradient loss
+    pulls back with beta (d_y - d_best) without bound: every y stops at d_y - d_best ~ -(n - 1)/(beta sqrt(n)),
+    a fixed point at every finite n, the argmax as n grows."""
+    ref, r, beta = BANDIT6
+    probs = bandit_fixed_point(ref, r, beta, "k3+", "loss", advantage="grpo", n=n)
+    d = probs.log() - ref.log()
+    best = r.argmax()
+    others = torch.arange(len(r)) != best
+    bound = -(n - 1) / (beta * math.sqrt(n))
+    relative = ((d[others] - d[best]) / bound - 1).abs().max().item()
+    assert relative < {4: 0.2, 8: 0.03, 16: 0.001}[n]  # the groups with two other arms fade as pi_y does
+    assert probs[best] > {4: 0.85, 8: 0.99, 16: 0.9999}[n]
+    # in the large-batch limit (gae, the same standardised advantage, no bound): the argmax itself
+    assert bandit_fixed_point(ref, r, beta, "k3+", "loss", advantage="gae")[others].max() < 1e-12  # a corner, to tol
+
+
+def test_gae_with_a_kl_loss_is_the_reverse_optimum_at_beta_times_the_rewards_std():
+    """Whitened advantages (r - E r) / std_pi(r) against a k2-gradient loss: pi = pi*(beta_eff) with
+    beta_eff = beta * sqrt(std^2 + 1e-8) at that pi, i.e. pi_t ∝ ref exp(t r) with t beta std(pi_t) = 1; from
+    ref the flow stops at the smallest such t, which exists only when beta * max_t t std(pi_t) >= 1."""
+    ref, r, _ = BANDIT6
+    tilted = lambda t: torch.softmax(ref.log() + t * r, -1)
+    std = lambda pi: ((pi * (r - (pi * r).sum()) ** 2).sum() + am.WHITEN_EPS).sqrt()
+    beta = 1.0  # beta * max_t t std(pi_t) = 1.45 here: two roots
+    t = fp._bisect(lambda t: t * beta * std(tilted(t)) - 1, torch.tensor(0.0, dtype=torch.float64),
+                   torch.tensor(6.5, dtype=torch.float64))  # t std(pi_t) rises until t = 6.5 on this bandit
+    probs = bandit_fixed_point(ref, r, beta, "k3+", "loss", advantage="gae")
+    assert torch.allclose(probs, tilted(t), atol=1e-10, rtol=0)
+    assert fp.tv(probs, reverse_optimum(ref, r, beta)) > 0.1
+
+
+def test_grpo_std_with_a_binary_reward_and_a_kl_loss():
+    """A 0/1 reward: the fixed point exists and keeps ref's ratios inside each reward class (the KL loss alone
+    sets them); the wrong class's mass is where Samuelson's bound meets the KL, far below beta's optimum's."""
+    ref, r, beta = BANDIT6_BINARY
+    probs = bandit_fixed_point(ref, r, beta, "k3+", "loss", advantage="grpo", n=8)
+    right = r == 1
+    assert torch.allclose(probs[right] / probs[right].sum(), ref[right] / ref[right].sum(), atol=1e-10, rtol=0)
+    wrong_mass, optimum_wrong_mass = probs[~right].sum().item(), reverse_optimum(ref, r, beta)[~right].sum().item()
+    assert wrong_mass < 1e-3 < 0.05 < optimum_wrong_mass
+    assert abs(fp.tv(probs, reverse_optimum(ref, r, beta)) - (optimum_wrong_mass - wrong_mass)) < 1e-12
+
+
+def test_gae_models_the_trainers_whitening():
+    """A batch holding each arm in proportion to pi, through the trainer's gae estimator (compute_gae with the
+    converged critic V = E_pi s, masked_whiten): each arm's advantage is the model's c (s_x - E_pi s), up to
+    the batch's Bessel correction (1 / 20000)."""
+    from rlhf import core_algos
+
+    ref, r, beta = BANDITS["seed0"]
+    probs = T(0.1, 0.2, 0.3, 0.4)
+    arms = torch.repeat_interleave(torch.arange(4), (probs * 20000).round().long())
+    logits = probs.log()
+    for placement in PLACEMENTS_AND_ESTIMATORS:
+        estimator = PLACEMENTS_AND_ESTIMATORS[placement]
+        penalty = fp.token_penalty(logits, ref, estimator, placement)
+        scores = r - beta * penalty if placement == "reward" else r
+        value = (probs * scores).sum()
+        token_rewards, values = scores[arms][:, None], torch.full((len(arms), 1), value.item(), dtype=torch.float64)
+        advantages, _ = core_algos.ADV_ESTIMATOR_REGISTRY["gae"](token_rewards, values, torch.ones_like(values),
+                                                                 None, 1.0, 1.0, True, core_algos.one_process)
+        trainer = torch.stack([advantages[arms == x, 0].mean() for x in range(4)])
+        base, p = fp._bandit_advantages(am.AdvantageModel("gae"), logits, r, beta, penalty, placement)
+        model = base - beta * p if placement == "reward" else base
+        model = model - (probs * model).sum()
+        assert torch.allclose(trainer, model, rtol=1e-4, atol=0)
+
+
+PLACEMENTS_AND_ESTIMATORS = {"reward": "k3", "loss": "k3+"}
+
+
+# The tree under each advantage estimator
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("row", [("k1", "reward"), ("k3+", "loss"), ("k3", "loss"), ("k2", "reward")], ids="-".join)
+def test_tree_rloo_is_exact_and_dr_grpo_is_beta_n_over_n_minus_1(row, n):
+    exact = tree_fixed_point(REF1, REF2, R, BETA, *row)
+    assert_tree(tree_fixed_point(REF1, REF2, R, BETA, *row, advantage="rloo", n=n), *exact)
+    dr_grpo = tree_fixed_point(REF1, REF2, R, BETA, *row, advantage="drgrpo", n=n)
+    if row[1] == "reward":  # the penalties are inside the sequence's score: beta's own fixed point
+        assert_tree(dr_grpo, *exact)
+    else:
+        assert_tree(dr_grpo, *tree_fixed_point(REF1, REF2, R, BETA * n / (n - 1), *row))
+        assert fp.tv(dr_grpo[0], exact[0]) > 0.01
+
+
+@pytest.mark.parametrize("model", [("grpo", 4), ("gae", None)], ids=["grpo4", "gae"])
+def test_tree_kl_in_the_reward_keeps_the_sequence_optimum(model):
+    advantage, n = model
+    assert_tree(tree_fixed_point(REF1, REF2, R, BETA, "k1", "reward", advantage=advantage, n=n), SEQ_FIRST, SEQ_SECOND)
+
+
+def test_tree_gae_models_the_trainers_whitening():
+    """The tree's batch with each sequence (a, b) in proportion to pi(a, b), two tokens each, through the
+    trainer's gae estimator with the converged critic (V(root) on the first token, V(a) on the second): each
+    token's mean advantage given its state and choice is the model's, up to the Bessel correction."""
+    from rlhf import core_algos
+
+    first_probs, second_probs = T(0.5, 0.3, 0.2), T(0.2, 0.5, 0.3, 0.6, 0.2, 0.2, 0.25, 0.25, 0.5).view(3, 3)
+    joint = first_probs[:, None] * second_probs
+    sequences = torch.repeat_interleave(torch.arange(9), (joint.flatten() * 10000).round().long())
+    a, b = sequences // 3, sequences % 3
+    for placement, estimator in PLACEMENTS_AND_ESTIMATORS.items():
+        z1, z2 = first_probs.log(), second_probs.log()
+        p1, p2 = fp.token_penalty(z1, REF1, estimator, placement), fp.token_penalty(z2, REF2, estimator, placement)
+        if placement == "reward":
+            token_rewards = torch.stack([-BETA * p1[a], R[a, b] - BETA * p2[a, b]], -1)  # (B, 2)
+        else:
+            token_rewards = torch.stack([torch.zeros_like(R[a, b]), R[a, b]], -1)
+        second_values = (second_probs * token_rewards.new_zeros(3, 3).index_put_((a, b), token_rewards[:, 1])).sum(-1)
+        first_values = (joint * token_rewards.new_zeros(3, 3).index_put_((a, b), token_rewards.sum(-1))).sum()
+        values = torch.stack([first_values.expand(len(a)), second_values[a]], -1)
+        advantages, _ = core_algos.ADV_ESTIMATOR_REGISTRY["gae"](token_rewards, values, torch.ones_like(values),
+                                                                 None, 1.0, 1.0, True, core_algos.one_process)
+        (base1, q1), (base2, q2) = fp._tree_advantages(am.AdvantageModel("gae"), z1, z2, REF1, REF2, R, BETA,
+                                                        estimator, placement)
+        model1, model2 = base1 - BETA * q1, base2 - BETA * q2
+        if placement == "loss":  # the loss's term is not part of the policy gradient's advantage
+            model1, model2 = base1, base2
+        model1 = model1 - (first_probs * model1).sum()
+        model2 = model2 - (second_probs * model2).sum(-1, keepdim=True)
+        trainer1 = torch.stack([advantages[a == x, 0].mean() for x in range(3)])
+        trainer2 = torch.stack([advantages[sequences == s, 1].mean() for s in range(9)]).view(3, 3)
+        assert torch.allclose(trainer1, model1, rtol=1e-3, atol=0), placement
+        assert torch.allclose(trainer2, model2, rtol=1e-3, atol=0), placement

@@ -12,6 +12,12 @@ whose expected gradient is grad sum_x sg(pi_x) k(x; theta), with kl_penalty's st
 Per-token values and derivatives come from kl_penalty (and full_kl for `full`), so the fixed points are those
 of the module the trainer runs, clamps included.
 
+The policy-gradient term follows an advantage model (`advantage=`, rlhf.kl.advantage_models): by default the
+idealised A_x = r_x - E_pi r ("exact", which RLOO's leave-one-out baseline gives exactly in expectation), or
+the trainer's rloo, grpo (divided by the group's std), drgrpo (grpo without the std), each over groups of n
+enumerated exactly, or gae (a converged critic, whitened over a large batch). `fixed_point_for_config` and
+`tree_fixed_point_for_config` take a run's config values instead (`advantage_model`).
+
 The solver follows the natural gradient (per state, the expected gradient divided by pi, which is the
 advantage A_x - E_pi[A]): it has the plain gradient's fixed points (pi_x (A_x - E_pi A) = 0 for all x iff
 A_x - E_pi A = 0 wherever pi_x > 0) and the same stable ones, and it reaches corners geometrically, not at the
@@ -20,11 +26,19 @@ does not, no logit moves more than _MAX_MOVE per step, and a token at a kink of 
 at pi = ref) is held there while the subgradient condition holds (_ascend). Where several stable points exist
 (k2, k3, abs in the reward) the one reached depends on the path, and this path is not a network's under
 Adam: the tests check what every stable point satisfies. The analytic optima to compare with are below (`*_optimum`); docs/kl.md, 'Where each estimator
-converges', derives them. `fixed_point_report()` is printed by `python -m rlhf.kl`.
+converges', derives them, and 'Where the advantage estimator moves the fixed point' what the advantage models
+change. `fixed_point_report()` and `advantage_report()` are printed by `python -m rlhf.kl`.
 """
 
 import torch
 
+from rlhf.kl.advantage_models import (
+    GROUP_ADVANTAGES,
+    AdvantageModel,
+    advantage_model,
+    group_expected_advantages,
+    whitening_scale,
+)
 from rlhf.kl.estimators import canonical, check_estimator, kl_penalty, needs_logits
 from rlhf.kl.exact import full_kl
 
@@ -97,11 +111,15 @@ def _pin(z: torch.Tensor, pinned: torch.Tensor, ref_probs: torch.Tensor) -> torc
     return torch.where(pinned, ref_probs.log() + log_free - free_mass.log(), z)
 
 
-def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_steps: int, tol: float):
+def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_steps: int, tol: float,
+            measure=None):
     """Natural-gradient ascent z += eta * (A - E_pi A) on each state's logits until no probability moves by > tol.
 
-    `advantages(logits) -> [(base, p)]`, one pair per logits tensor, each token's advantage being
-    A = base - beta * p. `kinks` holds each tensor's _one_sided penalties. Where p jumps at pi = ref (abs in the
+    `advantages(logits) -> [(base, p)]`, one pair per logits tensor, each token's expected advantage being
+    A = base - beta * p: base is what the policy-gradient term gives a sample of that token (its reward, or an
+    advantage estimator's E[A | token]), p the KL loss's share (or the penalty in the reward). `measure(probs)`
+    returns the probabilities whose moves decide convergence (default: every state's own).
+    `kinks` holds each tensor's _one_sided penalties. Where p jumps at pi = ref (abs in the
     loss) the flow slides along pi_x = ref_x while E_pi[A] over the other tokens stays within the jump (the
     subgradient condition); plain steps would chatter across the kink, so such a token is pinned to ref once it
     crosses it and freed when the condition fails. Returns the probabilities; raises RuntimeError after max_steps.
@@ -140,58 +158,151 @@ def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_
             hs.append(h)
             pinned[i], sides[i] = pin, torch.where(pin, 0.0, side)  # a pinned token sits on ref: no side
         new_probs = [torch.softmax(z, -1) for z in new_logits]
-        moved = max((p - q).abs().max().item() for p, q in zip(new_probs, probs))
+        seen, before = (new_probs, probs) if measure is None else (measure(new_probs), measure(probs))
+        moved = max((p - q).abs().max().item() for p, q in zip(seen, before))
         logits, probs, previous = new_logits, new_probs, hs
         if moved <= tol:
             return probs
     raise RuntimeError(f"not converged after {max_steps} steps (a probability still moved by {moved:.3g})")
 
 
+def _model(advantage: str, n: int | None) -> AdvantageModel:
+    return AdvantageModel(advantage, n)  # checks the name and the group size
+
+
+def _bandit_advantages(model: AdvantageModel, logits, rewards, beta: float, penalty, placement: str):
+    """(base, p) for _ascend on the bandit, (K,) each: a sample on arm x has expected advantage base_x - beta p_x,
+    up to a constant (which the natural gradient drops).
+
+    A group estimator sees the score s = r - beta k (reward) or r (loss), so in the reward the penalty is inside
+    base; a KL loss's p is never scaled by the advantage estimator. exact and gae: A = c (s - E_pi s), c = 1 or
+    GAE's whitening scale (with s's variance under pi), written as (c r, c k) in the reward.
+    """
+    if model.advantage in GROUP_ADVANTAGES:
+        scores = rewards - beta * penalty if placement == "reward" else rewards
+        base = group_expected_advantages(scores, torch.log_softmax(logits, -1), model.advantage, model.n)
+        return (base, torch.zeros_like(penalty)) if placement == "reward" else (base, penalty)
+    scale = 1.0
+    if model.advantage == "gae":
+        scores = rewards - beta * penalty if placement == "reward" else rewards
+        pi = torch.softmax(logits, -1)
+        scale = whitening_scale((pi * (scores - (pi * scores).sum()) ** 2).sum())
+    return (scale * rewards, scale * penalty) if placement == "reward" else (scale * rewards, penalty)
+
+
 def bandit_fixed_point(
     ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str, placement: str,
-    max_steps: int = MAX_STEPS, tol: float = TOL,
+    max_steps: int = MAX_STEPS, tol: float = TOL, *, advantage: str = "exact", n: int | None = None,
 ) -> torch.Tensor:
     """The policy (K,) that training by exact expected gradients reaches from pi_ref on a K-armed bandit.
 
-    ref_probs, rewards: (K,) float64; estimator in ESTIMATORS, placement "reward" or "loss" (module docstring).
-    A corner is reached to ~1e-14 (a dying probability shrinks geometrically until it moves by less than
-    tol). Raises RuntimeError if not converged within max_steps.
+    ref_probs, rewards: (K,) float64; estimator in ESTIMATORS, placement "reward" or "loss" (module docstring);
+    advantage the trainer's advantage estimator (advantage_models.ADVANTAGES, default the idealised
+    r_x - E_pi r) and n its group size (rloo, grpo, drgrpo only). A corner is reached to ~1e-14 (a dying
+    probability shrinks geometrically until it moves by less than tol). Raises RuntimeError if not converged
+    within max_steps.
     """
     _check(ref_probs, beta, estimator, placement)
+    model = _model(advantage, n)
 
     def advantages(logits):
         (z,) = logits
-        return [(rewards, token_penalty(z, ref_probs, estimator, placement))]
+        return [_bandit_advantages(model, z, rewards, beta, token_penalty(z, ref_probs, estimator, placement),
+                                   placement)]
 
     kinks = [_one_sided(ref_probs, estimator, placement)]
     (probs,) = _ascend(advantages, [ref_probs], beta, kinks, max_steps, tol)
     return probs
 
 
+def _tree_advantages(model: AdvantageModel, z1, z2, ref_first, ref_second, rewards, beta: float, estimator: str,
+                     placement: str):
+    """[(base, p) for the first token (A,), (base, p) for the second (A, A)], as _bandit_advantages.
+
+    exact and gae work per token, with gamma = lambda = 1 and a converged critic: the first token's advantage
+    is its return minus V(root), the second's its return minus V(a), so the first sees the second's penalty in
+    the reward and not in the loss; gae scales both by one whitening scale, that of both tokens' advantages
+    pooled (a large batch, every sequence two tokens). A group estimator scores the sequence (R minus both
+    penalties in the reward), so a joint arm (a, b), with pi(a, b) = pi(a) pi(b | a), gets
+    base = E[A_1 | (a_1, b_1) = (a, b)], and the first token E_{b ~ pi(.|a)} of it.
+    """
+    p1, p2 = (token_penalty(z, ref, estimator, placement) for z, ref in ((z1, ref_first), (z2, ref_second)))
+    second_probs = torch.softmax(z2, -1)
+    if model.advantage in GROUP_ADVANTAGES:
+        scores = rewards - beta * (p1[:, None] + p2) if placement == "reward" else rewards
+        joint_logprobs = torch.log_softmax(z1, -1)[:, None] + torch.log_softmax(z2, -1)
+        second = group_expected_advantages(scores.flatten(), joint_logprobs.flatten(), model.advantage,
+                                           model.n).view_as(rewards)
+        first = (second_probs * second).sum(-1)
+        if placement == "reward":
+            return [(first, torch.zeros_like(p1)), (second, torch.zeros_like(p2))]
+        return [(first, p1), (second, p2)]
+    # what the first token's return sees of the second: R minus its penalty in the reward, R alone otherwise
+    after = rewards - beta * p2 if placement == "reward" else rewards
+    first = (second_probs * after).sum(-1)  # (A,)
+    scale = 1.0
+    if model.advantage == "gae":
+        first_probs = torch.softmax(z1, -1)
+        own = beta * p1[:, None] if placement == "reward" else 0.0
+        first_returns = after - own  # (A, A): G_1 = R - beta (k1 + k2) in the reward, R in the loss
+        first_var = (first_probs[:, None] * second_probs * (first_returns - (first_probs * (
+            second_probs * first_returns).sum(-1)).sum()) ** 2).sum()
+        second_var = (first_probs[:, None] * second_probs * (after - first[:, None]) ** 2).sum()
+        scale = whitening_scale((first_var + second_var) / 2)
+    if placement == "reward":
+        return [(scale * first, scale * p1), (scale * rewards, scale * p2)]
+    return [(scale * first, p1), (scale * rewards, p2)]
+
+
 def tree_fixed_point(
     ref_first: torch.Tensor, ref_second: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str,
-    placement: str, max_steps: int = MAX_STEPS, tol: float = TOL,
+    placement: str, max_steps: int = MAX_STEPS, tol: float = TOL, *, advantage: str = "exact",
+    n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(first (A,), second (A, A)) that training reaches from pi_ref on the two-step tree; second[a] is pi(. | a).
 
-    ref_first (A,), ref_second (A, A) with rows summing to 1, rewards R(a, b) (A, A). In the reward, the first
+    ref_first (A,), ref_second (A, A) with rows summing to 1, rewards R(a, b) (A, A); advantage and n as in
+    bandit_fixed_point (_tree_advantages says what each sees). With the default, in the reward, the first
     token's advantage is its own penalty plus the second token's expected return (R minus its penalty); in
     the loss, it is E_{b ~ pi(.|a)} R(a, b) minus its own KL term only. Raises RuntimeError if not converged.
     """
     _check(ref_first, beta, estimator, placement)
     _check(ref_second, beta, estimator, placement)
+    model = _model(advantage, n)
 
     def advantages(logits):
         z1, z2 = logits
-        p2 = token_penalty(z2, ref_second, estimator, placement)  # (A, A)
-        # what the first token's return sees of the second: R minus its penalty in the reward, R alone otherwise
-        after = rewards - beta * p2 if placement == "reward" else rewards
-        first = (torch.softmax(z2, -1) * after).sum(-1)  # (A,)
-        return [(first, token_penalty(z1, ref_first, estimator, placement)), (rewards, p2)]
+        return _tree_advantages(model, z1, z2, ref_first, ref_second, rewards, beta, estimator, placement)
 
     kinks = [_one_sided(ref, estimator, placement) for ref in (ref_first, ref_second)]
-    first, second = _ascend(advantages, [ref_first, ref_second], beta, kinks, max_steps, tol)
+    # grpo's advantages are scale-free: every continuation of a prefix the policy no longer visits is a lone
+    # outlier in its group, -(n - 1) / sqrt(n) whatever its score (up to the std's 1e-6), so that state's
+    # conditional is left without a direction (training's gradient there is pi(a) times it, 0): converged
+    # is then judged on pi(a, b), what training sees.
+    measure = (lambda probs: [probs[0][:, None] * probs[1]]) if model.advantage == "grpo" else None
+    first, second = _ascend(advantages, [ref_first, ref_second], beta, kinks, max_steps, tol, measure)
     return first, second
+
+
+def fixed_point_for_config(
+    ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str, placement: str,
+    adv_estimator: str, norm_by_std: bool, n: int,
+) -> torch.Tensor:
+    """bandit_fixed_point (K,) for a run's config: estimator and beta its KL's, placement "reward"
+    (algorithm.use_kl_in_reward) or "loss" (actor.use_kl_loss), then algorithm.adv_estimator,
+    algorithm.norm_adv_by_std_in_grpo and rollout.n (advantage_model)."""
+    model = advantage_model(adv_estimator, norm_by_std, n)
+    return bandit_fixed_point(ref_probs, rewards, beta, estimator, placement, advantage=model.advantage, n=model.n)
+
+
+def tree_fixed_point_for_config(
+    ref_first: torch.Tensor, ref_second: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str,
+    placement: str, adv_estimator: str, norm_by_std: bool, n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """tree_fixed_point (first (A,), second (A, A)) for a run's config, as fixed_point_for_config."""
+    model = advantage_model(adv_estimator, norm_by_std, n)
+    return tree_fixed_point(ref_first, ref_second, rewards, beta, estimator, placement, advantage=model.advantage,
+                            n=model.n)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -309,9 +420,18 @@ TREE_EXAMPLE = {
     "beta": 0.5,
 }
 
+# Six arms, the best reward on the least likely one, for the advantage estimators' table; binary_rewards is the
+# same bandit with a 0/1 reward (1 on arms 2, 4 and 5, a third of ref's mass).
+BANDIT6_EXAMPLE = {
+    "ref_probs": (0.3, 0.25, 0.18, 0.12, 0.1, 0.05),
+    "rewards": (0.2, 0.0, 0.5, 0.4, 0.7, 1.0),
+    "binary_rewards": (0.0, 0.0, 1.0, 0.0, 1.0, 1.0),
+    "beta": 0.3,
+}
+
 
 def example(example: dict) -> dict:
-    """BANDIT_EXAMPLE or TREE_EXAMPLE with float64 tensors for its tuples."""
+    """BANDIT_EXAMPLE, TREE_EXAMPLE or BANDIT6_EXAMPLE with float64 tensors for its tuples."""
     return {k: v if isinstance(v, float) else torch.tensor(v, dtype=torch.float64) for k, v in example.items()}
 
 
