@@ -8,8 +8,8 @@ One step reads like the algorithm (`train_step`):
     rollout (sample rollout.n responses per prompt; old log-probs where needed, reference log-probs, exact
     KL, values) -> score (reward.function, GSM8K's rule by default) -> KL (into the reward and/or the loss)
     -> advantages (GAE whitened, or grpo / rloo over each prompt's group) -> PPO epochs (clipped actor loss,
-    clipped critic loss when there is a critic) -> adaptive KL coefficient -> log; `main` adds evaluation and
-    checkpoints.
+    clipped critic loss when there is a critic) -> adaptive KL coefficient -> lr schedules -> log; `main` adds
+    evaluation and checkpoints.
 Building the run is `rlhf/setup.py`; the glue's decisions are small functions in `rlhf/ppo.py`, the math
 in `rlhf/kl` and `rlhf/core_algos.py`, the split of the work over processes in `rlhf/processes.py`.
 
@@ -65,6 +65,11 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
         batch["scores"] = score_responses(run.reward, run.tokenizer, batch, rows)
     batch["group_ids"] = group_ids.to(accelerator.device)
     metrics, skipped = update(cfg, accelerator, run.models, run.optimizers, batch, run.kl_ctrl, step, timer)
+    # The lr this step's updates used; then one step of each schedule: once per PPO step, as verl.
+    for name, scheduler in zip(("actor", "critic"), run.lr_schedulers):
+        if scheduler is not None:
+            metrics[f"{name}/lr"] = scheduler.get_last_lr()[0]
+            scheduler.step()
     stop_ids = stop_token_ids(accelerator.unwrap_model(run.models[0]), run.tokenizer)
     metrics.update(batch_metrics(cfg, accelerator, batch, stop_ids))
     num_tokens = accelerator.reduce(batch["attention_mask"].sum().float(), "sum").item()
@@ -336,6 +341,8 @@ def main(cfg: Config) -> dict[str, float]:
     landing = start_landing(cfg, accelerator, run)  # a synthetic task's theory/* metrics; None otherwise
     state = TrainerState()
     accelerator.register_for_checkpointing(state)
+    for scheduler in (s for s in run.lr_schedulers if s is not None):  # after state: it stays custom_checkpoint_0
+        accelerator.register_for_checkpointing(scheduler)
     if resume_dir:
         accelerator.load_state(resume_dir)
         run.sampler.load_state_dict(state.sampler)

@@ -26,8 +26,9 @@ from typing import Any
 import yaml
 
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-SYNTHETIC_TASKS = ("bandit", "tree")  # model.path values that build a synthetic task (rlhf/synthetic.py)  # model.dtype, model.ref_dtype; the torch dtypes of the same names
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # model.dtype, model.ref_dtype; the torch dtypes of the same names
+LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")  # actor/critic.lr_scheduler_type (rlhf.setup.lr_factor)
+SYNTHETIC_TASKS = ("bandit", "tree")  # model.path values that build a synthetic task (rlhf/synthetic.py)
 
 
 class ConfigError(ValueError):
@@ -98,6 +99,9 @@ class AlgorithmConfig:
 @dataclass
 class ActorConfig:
     lr: float = 1e-6  # AdamW learning rate of the policy
+    lr_scheduler_type: str = "constant"  # constant | linear | cosine: the lr over trainer.total_steps, one step of the schedule per PPO step as in verl (docs/training.md#learning-rate-schedule)
+    lr_warmup_steps: int = 0  # PPO steps of linear warmup: step k <= lr_warmup_steps trains at lr * k / lr_warmup_steps
+    min_lr_ratio: float = 0.0  # linear | cosine: the decay's floor, as a fraction of lr (reached after the last step)
     weight_decay: float = 0.0  # AdamW weight decay of the policy
     ppo_epochs: int = 1  # passes over each rollout batch
     ppo_mini_batch_size: int = 16  # prompts per optimizer step, over all processes (x rollout.n responses, as verl)
@@ -117,6 +121,9 @@ class ActorConfig:
 @dataclass
 class CriticConfig:
     lr: float = 1e-5  # AdamW learning rate of the critic
+    lr_scheduler_type: str = "constant"  # constant | linear | cosine: the critic's lr over trainer.total_steps (as actor.lr_scheduler_type)
+    lr_warmup_steps: int = 0  # PPO steps of linear warmup of the critic's lr (as actor.lr_warmup_steps)
+    min_lr_ratio: float = 0.0  # linear | cosine: the floor of the critic's lr, as a fraction of critic.lr
     weight_decay: float = 0.0  # AdamW weight decay of the critic
     cliprange_value: float = 0.5  # value clipping around the rollout values
     grad_clip: float = 1.0  # max gradient norm of the critic
@@ -380,6 +387,17 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
     _choice("data.reward_method", d.reward_method, ("strict", "flexible"))
     _choice("trainer.logger", t.logger, ("wandb", "none"))
     _choice("actor.recompute_old_logprobs", ac.recompute_old_logprobs, ("auto", "always"))
+    for section in ("actor", "critic"):
+        learner = getattr(cfg, section)
+        _choice(f"{section}.lr_scheduler_type", learner.lr_scheduler_type, LR_SCHEDULER_TYPES)
+        _positive(f"{section}.lr_warmup_steps", learner.lr_warmup_steps, allow_zero=True)
+        if learner.lr_warmup_steps > t.total_steps:
+            raise ConfigError(f"{section}.lr_warmup_steps={learner.lr_warmup_steps} is more than trainer.total_steps="
+                              f"{t.total_steps}: the lr would never reach {section}.lr; warm up for at most "
+                              f"{t.total_steps} steps (0 = no warmup).")
+        if not 0.0 <= learner.min_lr_ratio <= 1.0:
+            raise ConfigError(f"config key '{section}.min_lr_ratio' must be in [0, 1] (a fraction of {section}.lr), "
+                              f"got {learner.min_lr_ratio!r}.")
     for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
                 "data.val_batch_size", "rollout.log_prob_micro_batch_size", "rollout.n", "actor.ppo_epochs",
                 "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "trainer.total_steps",
@@ -472,6 +490,11 @@ def warnings_for(cfg: Config) -> list[str]:
                    "whose advantage is its own score (no baseline); sample several (rollout.n=4, say).")
     if ac.use_kl_loss and ac.kl_loss_coef == 0:
         out.append("actor.use_kl_loss=true with actor.kl_loss_coef=0: the KL loss does nothing.")
+    for section in ("actor", "critic"):
+        learner = getattr(cfg, section)
+        if learner.lr_scheduler_type == "constant" and learner.min_lr_ratio > 0:
+            out.append(f"{section}.min_lr_ratio={learner.min_lr_ratio} with {section}.lr_scheduler_type=constant: "
+                       "there is no decay for it to floor (use linear or cosine).")
     from rlhf.rewards import GSM8K_REWARD
 
     if cfg.data.reward_method != "strict" and cfg.reward.function != GSM8K_REWARD:

@@ -1,4 +1,5 @@
-"""Building a run: data and models through the hub code path, optimizers, sampler, KL controller, reward.
+"""Building a run: data and models through the hub code path, optimizers and their lr schedules, sampler, KL
+controller, reward.
 
     run = setup(cfg, accelerator)       # what train.py's main() uses
     run = build_setup(cfg, accelerator, tokenizer, train_set, val_set, *load_models(cfg, model_path))
@@ -7,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -35,6 +37,7 @@ class Setup:
     sampler: PromptSampler
     kl_ctrl: kl.FixedKLController | kl.AdaptiveKLController
     reward: RewardFn  # reward.function, which scores the responses (rlhf/rewards)
+    lr_schedulers: tuple  # (actor's, critic's) LambdaLR, stepped once per PPO step; the critic's None without a critic
 
 
 def setup(cfg: Config, accelerator: Accelerator) -> Setup:
@@ -48,7 +51,8 @@ def setup(cfg: Config, accelerator: Accelerator) -> Setup:
 
 
 def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val_set, actor, critic, ref) -> Setup:
-    """Everything after loading: seed, optimizers, accelerate's wrapping, sampler, KL controller, reward."""
+    """Everything after loading: seed, optimizers, accelerate's wrapping, lr schedules, sampler, KL controller,
+    reward."""
     # Seeded after the models load: building the embedded cache (or not, when it exists) draws random
     # numbers, and the run must not depend on whether it did. Seed + process index: ranks sample differently.
     set_seed(cfg.trainer.seed, device_specific=True)
@@ -70,7 +74,8 @@ def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val
     kc = cfg.algorithm.kl_ctrl
     return Setup(tokenizer, train_set, val_set, (actor, critic, ref), (actor_opt, critic_opt),
                  PromptSampler(len(train_set), cfg.data.train_batch_size, cfg.trainer.seed),
-                 kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), load_reward(cfg))
+                 kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), load_reward(cfg),
+                 build_lr_schedulers(cfg, actor_opt, critic_opt))
 
 
 def shard_on_cpu(accelerator: Accelerator) -> None:
@@ -163,3 +168,44 @@ def build_optimizers(cfg: Config, actor, critic):
 
     critic_opt = None if critic is None else adamw(critic, cfg.critic.lr, cfg.critic.weight_decay)
     return adamw(actor, cfg.actor.lr, cfg.actor.weight_decay), critic_opt
+
+
+def lr_factor(step: int, total_steps: int, scheduler_type: str, warmup_steps: int = 0,
+              min_lr_ratio: float = 0.0) -> float:
+    """The lr of PPO step `step` (1, 2, ..., total_steps) as a fraction of the configured lr.
+
+    Warmup, steps k <= W = warmup_steps: k / W, so step 1 trains at lr / W and step W at lr (HF's and verl's
+    warmups start at 0, which spends step 1 at lr 0). Then, with p = (k - 1 - W) / (N - W) going from 0 at
+    step W + 1 to (N - W - 1) / (N - W) at step N = total_steps, and m = min_lr_ratio:
+    constant 1; linear m + (1 - m)(1 - p); cosine m + (1 - m)(1 + cos(pi p)) / 2 (HF's and verl's decay
+    with its floor, which the lr would reach one step after the last).
+    """
+    if step <= warmup_steps:
+        return step / warmup_steps
+    if scheduler_type == "constant":
+        return 1.0
+    progress = min(1.0, (step - 1 - warmup_steps) / max(1, total_steps - warmup_steps))
+    if scheduler_type == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
+    if scheduler_type == "cosine":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr_scheduler_type {scheduler_type!r}; valid choices: constant, linear, cosine")
+
+
+def build_lr_schedulers(cfg: Config, actor_opt, critic_opt):
+    """(actor's, critic's) torch LambdaLR over lr_factor (the critic's None without a critic), on the optimizers
+    accelerate prepared. Each is stepped once per PPO step by train.py and registered for checkpointing by its
+    main(), so that save_state/load_state restore it. Not accelerate.prepare: its AcceleratedScheduler steps
+    once per optimizer step, and as many times as there are processes (it assumes per-process batches), where
+    the schedule here counts PPO steps, as verl's does."""
+    total = cfg.trainer.total_steps
+
+    def schedule(opt, learner):
+        if opt is None:
+            return None
+        kind, warmup, floor = learner.lr_scheduler_type, learner.lr_warmup_steps, learner.min_lr_ratio
+        # LambdaLR calls the function with the number of steps taken so far: 0 for PPO step 1.
+        return torch.optim.lr_scheduler.LambdaLR(getattr(opt, "optimizer", opt),
+                                                 lambda done: lr_factor(done + 1, total, kind, warmup, floor))
+
+    return schedule(actor_opt, cfg.actor), schedule(critic_opt, cfg.critic)

@@ -3,6 +3,7 @@
 import os
 import threading
 
+import pytest
 import torch
 
 from rlhf.config import EmbeddedConfig
@@ -30,6 +31,20 @@ def tiny_overrides(artifacts, output_dir, *extra) -> list[str]:
         "rollout.log_prob_micro_batch_size=4", "trainer.total_steps=2", "trainer.test_freq=0",
         f"trainer.output_dir={output_dir}", "trainer.project_name=test", *extra,
     ]
+
+
+NOT_COMPARED = ("timing_s/", "perf/throughput")  # wall-clock measurements
+
+
+def assert_same_rows(rows, expected):
+    """metrics.jsonl rows: the same steps in order (no duplicate, none missing), the same keys, the same values
+    to float precision (wall-clock measurements aside)."""
+    assert [r["step"] for r in rows] == [r["step"] for r in expected]
+    for row, want in zip(rows, expected):
+        assert set(row) == set(want), (row["step"], set(row) ^ set(want))
+        for key, value in want.items():
+            if not key.startswith(NOT_COMPARED):
+                assert row[key] == pytest.approx(value, rel=1e-6, abs=1e-12), (row["step"], key)
 
 
 def tiny_qwen2(vocab_size: int = 512, seed: int = 0, **config):

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, tiny_overrides
+from helpers import REPO, assert_same_rows, tiny_overrides
 
 import rlhf.setup
 import train
@@ -32,7 +32,6 @@ from rlhf.config import load_config
 from rlhf.tracking import read_metrics
 
 NUM_STEPS = 4
-NOT_COMPARED = ("timing_s/", "perf/throughput")  # wall-clock measurements
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -46,16 +45,6 @@ def overrides(artifacts, output_dir, *extra) -> list[str]:
 def run(artifacts, output_dir, *extra) -> list[dict]:
     train.main(load_config(None, overrides(artifacts, output_dir, *extra)))
     return read_metrics(os.path.join(output_dir, "metrics.jsonl"))
-
-
-def assert_same_rows(rows, expected):
-    """Same steps in order (no duplicate, none missing), same keys, same values to float precision."""
-    assert [r["step"] for r in rows] == [r["step"] for r in expected]
-    for row, want in zip(rows, expected):
-        assert set(row) == set(want), (row["step"], set(row) ^ set(want))
-        for key, value in want.items():
-            if not key.startswith(NOT_COMPARED):
-                assert row[key] == pytest.approx(value, rel=1e-6, abs=1e-12), (row["step"], key)
 
 
 def spawn(artifacts, output_dir, *extra) -> subprocess.Popen:
