@@ -102,7 +102,10 @@ class Landing:
         estimator, placement, beta = run_kl(cfg)
         a = cfg.algorithm
         model = advantage_model(a.adv_estimator, a.norm_adv_by_std_in_grpo, cfg.rollout.n)
-        adv = dict(advantage=model.advantage, n=model.n)
+        # RLOO's leave-one-out baseline is unbiased: its expected gradient is the exact one for any n
+        # (tests/test_fixed_points.py checks the enumeration reaches the same point), so the solver skips the
+        # enumeration over groups, which costs seconds on the tree.
+        adv = dict(advantage="exact", n=None) if model.advantage == "rloo" else dict(advantage=model.advantage, n=model.n)
         candidates = {}
         if task == "bandit":
             if estimator is None:
