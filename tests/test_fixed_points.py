@@ -607,6 +607,16 @@ def test_tree_kl_in_the_reward_keeps_the_sequence_optimum(model):
     assert_tree(tree_fixed_point(REF1, REF2, R, BETA, "k1", "reward", advantage=advantage, n=n), SEQ_FIRST, SEQ_SECOND)
 
 
+def test_tree_grpo_with_dead_prefixes_converges_on_what_training_sees():
+    """k2 in the reward kills prefixes 0 and 2; under grpo every continuation of a dead prefix is a lone
+    outlier, -(n - 1)/sqrt(n) whatever its score, so its conditional has no direction: convergence is judged
+    on pi(a, b), which matches the exact advantage's."""
+    exact_first, exact_second = tree_fixed_point(REF1, REF2, R, BETA, "k2", "reward")
+    first, second = tree_fixed_point(REF1, REF2, R, BETA, "k2", "reward", advantage="grpo", n=4)
+    assert first[1] > 1 - 1e-12
+    assert torch.allclose(first[:, None] * second, exact_first[:, None] * exact_second, atol=1e-10, rtol=0)
+
+
 def test_tree_gae_models_the_trainers_whitening():
     """The tree's batch with each sequence (a, b) in proportion to pi(a, b), two tokens each, through the
     trainer's gae estimator with the converged critic (V(root) on the first token, V(a) on the second): each
