@@ -519,6 +519,7 @@ def test_grpo_std_with_a_kl_loss_stops_where_samuelsons_bound_meets_the_kl(n):
     bound = -(n - 1) / (beta * math.sqrt(n))
     relative = ((d[others] - d[best]) / bound - 1).abs().max().item()
     assert relative < {4: 0.2, 8: 0.03, 16: 0.001}[n]  # the groups with two other arms fade as pi_y does
+    assert fp.tv(probs, fp.samuelson_point(ref, r, beta, n)) < {4: 0.03, 8: 4e-4, 16: 3e-7}[n]
     assert probs[best] > {4: 0.85, 8: 0.99, 16: 0.9999}[n]
     # in the large-batch limit (gae, the same standardised advantage, no bound): the argmax itself
     assert bandit_fixed_point(ref, r, beta, "k3+", "loss", advantage="gae")[others].max() < 1e-12  # a corner, to tol
@@ -536,7 +537,13 @@ def test_gae_with_a_kl_loss_is_the_reverse_optimum_at_beta_times_the_rewards_std
                    torch.tensor(6.5, dtype=torch.float64))  # t std(pi_t) rises until t = 6.5 on this bandit
     probs = bandit_fixed_point(ref, r, beta, "k3+", "loss", advantage="gae")
     assert torch.allclose(probs, tilted(t), atol=1e-10, rtol=0)
+    assert torch.allclose(fp.whitened_optimum(ref, r, beta), probs, atol=1e-10, rtol=0)
     assert fp.tv(probs, reverse_optimum(ref, r, beta)) > 0.1
+    assert abs(fp.tilt_peak(ref, r) - 1.449) < 1e-3
+    # beta = 0.3: beta * 1.449 < 1, no root but the whitening eps's: the argmax
+    corner = bandit_fixed_point(ref, r, 0.3, "k3+", "loss", advantage="gae")
+    assert torch.allclose(fp.whitened_optimum(ref, r, 0.3), corner, atol=1e-12, rtol=0)
+    assert torch.allclose(corner, fp.argmax_optimum(ref, r, 0.3), atol=1e-12, rtol=0)
 
 
 def test_grpo_std_with_a_binary_reward_and_a_kl_loss():
@@ -600,6 +607,16 @@ def test_tree_kl_in_the_reward_keeps_the_sequence_optimum(model):
     assert_tree(tree_fixed_point(REF1, REF2, R, BETA, "k1", "reward", advantage=advantage, n=n), SEQ_FIRST, SEQ_SECOND)
 
 
+def test_tree_grpo_with_dead_prefixes_converges_on_what_training_sees():
+    """k2 in the reward kills prefixes 0 and 2; under grpo every continuation of a dead prefix is a lone
+    outlier, -(n - 1)/sqrt(n) whatever its score, so its conditional has no direction: convergence is judged
+    on pi(a, b), which matches the exact advantage's."""
+    exact_first, exact_second = tree_fixed_point(REF1, REF2, R, BETA, "k2", "reward")
+    first, second = tree_fixed_point(REF1, REF2, R, BETA, "k2", "reward", advantage="grpo", n=4)
+    assert first[1] > 1 - 1e-12
+    assert torch.allclose(first[:, None] * second, exact_first[:, None] * exact_second, atol=1e-10, rtol=0)
+
+
 def test_tree_gae_models_the_trainers_whitening():
     """The tree's batch with each sequence (a, b) in proportion to pi(a, b), two tokens each, through the
     trainer's gae estimator with the converged critic (V(root) on the first token, V(a) on the second): each
@@ -633,3 +650,20 @@ def test_tree_gae_models_the_trainers_whitening():
         trainer2 = torch.stack([advantages[sequences == s, 1].mean() for s in range(9)]).view(3, 3)
         assert torch.allclose(trainer1, model1, rtol=1e-3, atol=0), placement
         assert torch.allclose(trainer2, model2, rtol=1e-3, atol=0), placement
+
+
+def test_advantage_report():
+    report = fp.advantage_report()
+    rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| r ") or line.startswith("| 0/1 ")]
+    assert len(rows) == len(fp.ADVANTAGE_ROWS)
+    # derived points are met to float noise, printed as the bound; the approximations' gaps are real ones
+    assert all(row[6] == "< 1e-12 |" for row in rows if row[5] not in ("Samuelson's bound", "-"))
+    assert all(float(row[6].rstrip(" |")) > 1e-12 for row in rows if row[5] == "Samuelson's bound")
+    assert "| r | k3+, loss | drgrpo, n=8 | (0.148, 0.069, 0.213, 0.106, 0.212, 0.254) | 0.055 |" in report
+    assert "| r | k3+, loss | grpo, n=8 | (0.002, 0.001, 0.001, 0.001, 0.001, 0.995) | 0.695 |" in report
+    assert "| 0/1 | k3+, loss | grpo, n=8 | (0.000, 0.000, 0.545, 0.000, 0.303, 0.151) | 0.067 |" in report
+    assert "| r | k1, reward | grpo, n=16 | (0.125, 0.053, 0.204, 0.097, 0.221, 0.300) | 0.000 |" in report
+    # docs/kl.md's section 'Where the advantage estimator moves the fixed point' carries every line of it
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "kl.md"), encoding="utf-8").read()
+    section = docs[docs.index("## Where the advantage estimator moves the fixed point"):]
+    assert [line for line in report.splitlines() if line not in section] == []

@@ -859,7 +859,8 @@ def test_canonical_refuses_unknown_names():
 
 
 def test_demo_prints_the_fixed_points_and_the_frameworks_table(demo_output):
-    from rlhf.kl.fixed_points import fixed_point_report
+    from rlhf.kl.fixed_points import advantage_report, fixed_point_report
     from rlhf.kl.peers import peer_report
 
     assert fixed_point_report() in demo_output and peer_report() in demo_output
+    assert advantage_report() in demo_output

@@ -16,8 +16,9 @@ from rlhf.kl.peers import PEERS, PeerDefault, on_policy_equivalent, peer_cells, 
 
 TOL = 1e-10
 
-# (framework, setting) -> (on-policy verdict, verdict after the first step, bandit fixed point): the rows'
-# data pinned by what they compute (each estimator x placement x weight in PEERS gives a different triple).
+# (framework, setting) -> (on-policy verdict, verdict after the first step, bandit fixed point, fixed point with
+# the setting's advantage estimator): the rows' data pinned by what they compute (each estimator x placement x
+# weight in PEERS gives a different triple; the advantage estimator moves the point of a KL loss only).
 REVERSE, FORWARD, ARGMAX = "reverse-KL optimum", "forward-KL optimum", "argmax"
 K3_LOSS = ("forward KL", "biased, cos=0.8283, norm x2.01", FORWARD)
 K3_RHO = ("exact", "exact", REVERSE)
@@ -25,24 +26,27 @@ K3_UNIT = ("exact", "biased, cos=0.9646, norm x1.18", REVERSE)
 K1_LOSS = ("zero", "biased, cos=-0.9953, norm x0.46", ARGMAX)
 K1_REWARD = ("exact", "biased, cos=0.9997, norm x0.58", REVERSE)
 K3_REWARD = ("biased, cos=-0.3679, norm x0.49", "biased, cos=0.0165, norm x0.13", ARGMAX)
+GRPO5_K3_LOSS = "grpo, n=5: best arm 0.786, TV 0.195 from it"
+GRPO8_K3_LOSS = "grpo, n=8: best arm 0.824, TV 0.232 from it"
+GRPO8_K2_LOSS = "grpo, n=8: best arm 0.975, TV 0.396 from it"  # rho-weighted k3: k2's gradient, in the loss
 VERDICTS = {
-    ("verl", "GRPO recipes: actor.use_kl_loss=True"): K3_LOSS,
-    ("verl", "algorithm.use_kl_in_reward=True"): K1_REWARD,
-    ("TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=True"): K3_RHO,
-    ("TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=False"): K3_LOSS,
-    ("TRL", "RLOOTrainer"): K1_REWARD,
-    ("TRL", "PPOTrainer (trl.experimental.ppo)"): K1_REWARD,
-    ("OpenRLHF", "default, every advantage estimator (gae, group_norm = GRPO, ...)"): K1_REWARD,
-    ("OpenRLHF", "--algo.kl.use_loss, estimator left at its default"): K1_LOSS,
-    ("NeMo-RL", "GRPO: grpo_math_1B.yaml, ClippedPGLossConfig"): K3_UNIT,
-    ("NeMo-RL", "use_on_policy_kl_approximation=True"): K3_RHO,
-    ("NeMo-RL", "use_kl_in_reward=True (Reinforce++, GAE)"): K3_REWARD,
-    ("slime", "GRPO scripts: --use-kl-loss --kl-loss-type low_var_kl"): K3_LOSS,
-    ("slime", "--use-kl-loss, --kl-loss-type left at its default"): K1_LOSS,
-    ("slime", "--use-kl-loss --use-unbiased-kl (low_var_kl)"): K3_RHO,
-    ("slime", "--kl-coef > 0 (advantage estimator ppo or reinforce_plus_plus)"): K1_REWARD,
-    ("SkyRL", "default (grpo and gae alike)"): K3_LOSS,
-    ("SkyRL", "use_kl_in_reward=True (use_kl_loss=False)"): K3_REWARD,
+    ("verl", "GRPO recipes: actor.use_kl_loss=True"): (*K3_LOSS, GRPO5_K3_LOSS),
+    ("verl", "algorithm.use_kl_in_reward=True"): (*K1_REWARD, "gae: the same"),
+    ("TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=True"): (*K3_RHO, GRPO8_K2_LOSS),
+    ("TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=False"): (*K3_LOSS, GRPO8_K3_LOSS),
+    ("TRL", "RLOOTrainer"): (*K1_REWARD, "rloo, n=2: the same"),
+    ("TRL", "PPOTrainer (trl.experimental.ppo)"): (*K1_REWARD, "gae: the same"),
+    ("OpenRLHF", "default, every advantage estimator (gae, group_norm = GRPO, ...)"): (*K1_REWARD, "gae: the same"),
+    ("OpenRLHF", "--algo.kl.use_loss, estimator left at its default"): (*K1_LOSS, "gae: the same"),
+    ("NeMo-RL", "GRPO: grpo_math_1B.yaml, ClippedPGLossConfig"): (*K3_UNIT, "not modelled"),
+    ("NeMo-RL", "use_on_policy_kl_approximation=True"): (*K3_RHO, "not modelled"),
+    ("NeMo-RL", "use_kl_in_reward=True (Reinforce++, GAE)"): (*K3_REWARD, "not modelled"),
+    ("slime", "GRPO scripts: --use-kl-loss --kl-loss-type low_var_kl"): (*K3_LOSS, GRPO8_K3_LOSS),
+    ("slime", "--use-kl-loss, --kl-loss-type left at its default"): (*K1_LOSS, "grpo, n=8: the same"),
+    ("slime", "--use-kl-loss --use-unbiased-kl (low_var_kl)"): (*K3_RHO, GRPO8_K2_LOSS),
+    ("slime", "--kl-coef > 0 (advantage estimator ppo or reinforce_plus_plus)"): (*K1_REWARD, "gae: the same"),
+    ("SkyRL", "default (grpo and gae alike)"): (*K3_LOSS, GRPO5_K3_LOSS),
+    ("SkyRL", "use_kl_in_reward=True (use_kl_loss=False)"): (*K3_REWARD, "grpo, n=5: the same"),
 }
 IDS = [f"{p.framework}: {p.setting}" for p in PEERS]
 
@@ -89,7 +93,7 @@ def test_row_gradients_equal_their_closed_form(peer):
 @pytest.mark.parametrize("peer", PEERS, ids=IDS)
 def test_row_verdicts_are_pinned(peer):
     cells = peer_cells(peer)
-    assert (cells["on_policy"], cells["off_policy"], cells["fixed_point"]) == VERDICTS[(peer.framework, peer.setting)]
+    assert tuple(cells.values()) == VERDICTS[(peer.framework, peer.setting)]
 
 
 def test_every_row_is_pinned():
@@ -166,7 +170,8 @@ def test_report_lists_every_row_and_source():
     for source in peers.SOURCES.values():
         assert f"{source.repo} @ {source.commit[:7]} ({source.date}, {source.version})" in report
     for peer in PEERS:
-        assert all(f in report for f in peer.files)
+        assert all(f in report for f in peer.files + peer.advantage_files)
+        assert peer.advantage_notes in report
 
 
 @pytest.mark.parametrize("peer", PEERS, ids=IDS)
@@ -189,3 +194,33 @@ def test_docs_carry_the_report():
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "kl.md"), encoding="utf-8").read()
     section = docs[docs.index("## What the frameworks' defaults give"):]
     assert peer_report() in section
+
+
+@pytest.mark.parametrize("peer", [p for p in PEERS if p.advantage is not None], ids=str)
+def test_the_advantage_estimator_moves_only_a_loss_that_regularises(peer):
+    """A KL in the reward sits inside the score the estimator normalises, and k1 in the loss regularises nothing:
+    their fixed points are the idealised advantage's whatever the estimator. A regularising KL loss next to
+    grpo's std keeps unit-scale policy gradients against it: the policy goes far towards the best arm."""
+    idealised, probs = peers.peer_fixed_point(peer), peers.peer_fixed_point(peer, with_advantage=True)
+    gap = (probs - idealised).abs().max().item()
+    if peer.placement == "reward" or peer.estimator in ("k1", "kl") or peer.advantage.advantage != "grpo":
+        assert gap < TOL
+    else:
+        assert gap > 0.1 and probs.argmax() == 0 and probs[0] > idealised[0]
+
+
+def test_a_rho_weighted_loss_stays_a_loss_under_grpo():
+    """rho-weighted k3 has k1-in-the-reward's on-policy gradient but is not inside the advantage: its on-policy
+    equivalent is k2 in the loss, which grpo's std moves; k1 in the reward it does not."""
+    (trl,) = [p for p in PEERS if p.framework == "TRL" and p.correction == "rho"]
+    assert on_policy_equivalent(trl) == ("k2", "loss")
+    ref, rewards, beta = peers.bandit()
+    reward_placed = kl_theory.bandit_fixed_point(ref, rewards, beta, "k1", "reward", advantage="grpo", n=8)
+    assert (reward_placed - peers.peer_fixed_point(trl)).abs().max() < TOL
+    assert (peers.peer_fixed_point(trl, with_advantage=True) - reward_placed).abs().max() > 0.1
+
+
+def test_an_unmodelled_advantage_raises():
+    (nemo,) = [p for p in PEERS if p.correction == "unit"]
+    with pytest.raises(ValueError, match="not modelled"):
+        peers.peer_fixed_point(nemo, with_advantage=True)

@@ -37,12 +37,13 @@ live in `rlhf.kl_theory`.
 Run `python -m rlhf.kl` to print, for small categorical examples, each estimator's exact mean, bias
 and std, its expected loss/reward gradient against grad KL(pi || ref), and (example C) the same off-policy,
 uncorrected and corrected; then where each estimator x placement converges on a bandit and a two-token tree
-(fixed_points.py), and what the big frameworks' default KL settings give (peers.py).
+(fixed_points.py) and where the trainer's advantage estimators move that (advantage_models.py), and what the
+big frameworks' default KL settings give (peers.py).
 
 The code, re-exported here: estimators.py (the sampled estimators, every estimator's name, kl_penalty,
 kl_per_token for any name, needs_logits, kl_panel), exact.py (full_kl), controllers.py (the KL coefficient in
 the reward). Not loaded by `import rlhf.kl`: theory.py (the enumeration behind the report; its public name is
-`rlhf.kl_theory`), fixed_points.py and peers.py.
+`rlhf.kl_theory`), fixed_points.py, advantage_models.py and peers.py.
 """
 
 from rlhf.kl.controllers import (

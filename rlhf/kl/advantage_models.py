@@ -14,8 +14,9 @@ symmetry over the group's samples). The models, by name (ADVANTAGES):
 
 For the group estimators `group_expected_advantages` is exact: x_1 = x and the counts of the other n - 1
 samples (i.i.d. from pi) enumerated with their multinomial weights, each group's advantages by
-core_algos.group_outcome_advantages' formulas (own_advantages; a group of one keeps its score). `advantage_model` maps a run's
-config to a model; docs/kl.md, 'Where the advantage estimator moves the fixed point', derives what each does.
+core_algos.group_outcome_advantages' formulas (own_advantages; a group of one keeps its score).
+`advantage_model` maps a run's config to a model; docs/kl.md, 'Where the advantage estimator moves the fixed
+point', derives what each does.
 """
 
 import math
@@ -130,7 +131,8 @@ def group_expected_advantages(scores: torch.Tensor, logprobs: torch.Tensor, adva
     """
     check_advantage(advantage, n)
     others, log_coefficients = compositions(n - 1, len(scores))  # (M, K), (M,)
-    log_weights = log_coefficients + torch.where(others > 0, others * logprobs, 0.0).sum(-1)  # (M,)
+    # an arm with pi = 0 (log -inf) gets a finite stand-in, so that its zero counts give 0 * log pi = 0, not NaN
+    log_weights = log_coefficients + others @ logprobs.clamp_min(-1e300)  # (M,)
     return log_weights.exp() @ own_advantages(others, scores, advantage)
 
 

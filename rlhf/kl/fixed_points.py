@@ -25,15 +25,19 @@ plain gradient's 1/t. Each token's step halves when its direction flips (an over
 does not, no logit moves more than _MAX_MOVE per step, and a token at a kink of its penalty (abs in the loss,
 at pi = ref) is held there while the subgradient condition holds (_ascend). Where several stable points exist
 (k2, k3, abs in the reward) the one reached depends on the path, and this path is not a network's under
-Adam: the tests check what every stable point satisfies. The analytic optima to compare with are below (`*_optimum`); docs/kl.md, 'Where each estimator
-converges', derives them, and 'Where the advantage estimator moves the fixed point' what the advantage models
-change. `fixed_point_report()` and `advantage_report()` are printed by `python -m rlhf.kl`.
+Adam: the tests check what every stable point satisfies. The analytic optima to compare with are below
+(`*_optimum`); docs/kl.md, 'Where each estimator converges', derives them, and 'Where the advantage estimator
+moves the fixed point' what the advantage models change. `fixed_point_report()` and `advantage_report()` are
+printed by `python -m rlhf.kl`.
 """
+
+import math
 
 import torch
 
 from rlhf.kl.advantage_models import (
     GROUP_ADVANTAGES,
+    WHITEN_EPS,
     AdvantageModel,
     advantage_model,
     group_expected_advantages,
@@ -407,6 +411,47 @@ def token_level_optimum(ref_first, ref_second, rewards, beta: float, optimum=rev
     return optimum(ref_first, (second * rewards).sum(-1), beta), second
 
 
+
+def _tilted(ref_probs: torch.Tensor, rewards: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pi_t proportional to ref exp(t r) for each t (T,) -> (T, K), and std_{pi_t}(r) (T,)."""
+    # r - max r: no large logits, so that ref's ratios among the best arms survive a large t exactly
+    pi = torch.softmax(ref_probs.log() + t[:, None] * (rewards - rewards.max()), -1)
+    return pi, (pi * (rewards - (pi * rewards).sum(-1, keepdim=True)) ** 2).sum(-1).sqrt()
+
+
+def tilt_peak(ref_probs: torch.Tensor, rewards: torch.Tensor) -> float:
+    """max over t >= 0 of t std_{pi_t}(r), pi_t proportional to ref exp(t r) (on a grid of t up to 1e3 / the
+    rewards' range, fine enough for 3 decimals): a KL loss meets whitened advantages inside the simplex only
+    where beta times it reaches 1 (whitened_optimum)."""
+    t = torch.linspace(0, 1e3 / (rewards.max() - rewards.min()).item(), 200_001, dtype=torch.float64)
+    return (t * _tilted(ref_probs, rewards, t)[1]).max().item()
+
+
+def whitened_optimum(ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float) -> torch.Tensor:
+    """Where a KL loss with k2's gradient (k2, every X+, full) stops against whitened advantages, gae's
+    c (r - E_pi r) with c = 1 / sqrt(std_pi(r)^2 + 1e-8) (and grpo's as n grows, less Samuelson's bound): the
+    stationarity c (r_x - E r) = beta (d_x - E d) makes pi = pi_t, proportional to ref exp(t r), with
+    t beta sqrt(std_{pi_t}(r)^2 + 1e-8) = 1, the reverse-KL optimum at beta_eff = beta sqrt(std^2 + 1e-8) of
+    itself. From ref the flow stops at the smallest such t. If beta tilt_peak < 1 the only root is the
+    whitening eps's, t ~ 1e4 / beta: the argmax, to float precision."""
+    grid = torch.logspace(-3, 7, 4001, dtype=torch.float64)
+    gap = lambda t: t * beta * (_tilted(ref_probs, rewards, t)[1] ** 2 + WHITEN_EPS).sqrt() - 1  # < 0 at t = 0
+    first = int((gap(grid) > 0).nonzero()[0])  # the grid ends past 1e4 / beta: a root always lies below it
+    low, high = grid[first - 1: first] if first else grid[:1] * 0, grid[first: first + 1]
+    t = _bisect(gap, low, high)
+    return _tilted(ref_probs, rewards, t)[0][0]
+
+
+def samuelson_point(ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float, n: int) -> torch.Tensor:
+    """Where a KL loss with k2's gradient stops against grpo's std-normalised advantages, near the best arm:
+    there a group holding another arm y is almost surely y among n - 1 best samples, whose standardised score
+    is -(n - 1) / sqrt(n) (the most negative any of n scores can be, Samuelson's bound) whatever r_y, while the
+    best arm's advantage goes to 0; against the loss's pull beta (d_y - d_best) every arm below the best reward
+    stops at d_y - d_best = -(n - 1) / (beta sqrt(n)), the best ones keep ref's ratios. An approximation, exact
+    as pi_y -> 0 (the groups with two other arms neglected); docs/kl.md quantifies it."""
+    top = rewards == rewards.max(-1, keepdim=True).values
+    return torch.softmax(ref_probs.log() - torch.where(top, 0.0, (n - 1) / (beta * math.sqrt(n))), -1)
+
 # ----------------------------------------------------------------------------------------------------------
 # The report: docs/kl.md's tables, on one bandit and one tree.
 
@@ -508,8 +553,8 @@ def fixed_point_report() -> str:
     ref, rewards, beta = ex["ref_probs"], ex["rewards"], ex["beta"]
     optima = {name: f(ref, rewards, beta) for f, name in OPTIMUM_NAMES.items()}
     lines = [
-        f"Bandit: pi_ref = {BANDIT_EXAMPLE['ref_probs']}, r = {BANDIT_EXAMPLE['rewards']}, beta = {beta}; "
-        "the optima:",
+        f"Bandit: pi_ref = {BANDIT_EXAMPLE['ref_probs']}, r = {BANDIT_EXAMPLE['rewards']}, beta = {beta}; the "
+        "advantage r_x - E_pi r (advantage=\"exact\", which RLOO gives in expectation); the optima:",
         "",
         *(f"- {name}: {_vec(p)}" for name, p in optima.items()),
         "",
@@ -529,7 +574,8 @@ def fixed_point_report() -> str:
     lines += [
         "",
         f"Tree: pi_ref(a) = {_vec(tree['ref_first'])}, pi_ref(b | a) rows {TREE_EXAMPLE['ref_second']}, "
-        f"R(a, b) rows {TREE_EXAMPLE['rewards']}, beta = {tree['beta']}; the sequence optimum's first token "
+        f"R(a, b) rows {TREE_EXAMPLE['rewards']}, beta = {tree['beta']}; each token's return less its expected "
+        f"value as the advantage (advantage=\"exact\", RLOO's in expectation); the sequence optimum's first token "
         f"{_vec(seq_first)}.",
         "",
         "| estimator | placement | first token pi(a) | converges to | joint TV to it | joint TV to sequence "
@@ -556,4 +602,81 @@ def fixed_point_report() -> str:
         f" optimum, so E[R] - beta KL(pi || ref) over the sequence is {objective(tok_first, tok_second):.4f}"
         f" instead of its maximum {objective(seq_first, seq_second):.4f}.",
     ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The advantage estimators' report: docs/kl.md, 'Where the advantage estimator moves the fixed point'.
+
+# (reward, estimator, placement, advantage, n) per row; reward "r" is BANDIT6_EXAMPLE's rewards, "0/1" its
+# binary_rewards.
+ADVANTAGE_ROWS = (
+    *(("r", "k3+", "loss", advantage, n) for advantage, n in (
+        ("exact", None), ("rloo", 4), ("rloo", 8), ("drgrpo", 4), ("drgrpo", 8), ("drgrpo", 16), ("grpo", 2),
+        ("grpo", 4), ("grpo", 8), ("grpo", 16), ("gae", None))),
+    *(("r", "k3", "loss", advantage, n) for advantage, n in (("exact", None), ("drgrpo", 8), ("grpo", 8),
+                                                               ("gae", None))),
+    *(("r", "k1", "reward", advantage, n) for advantage, n in (("exact", None), ("rloo", 8), ("drgrpo", 8),
+                                                                 ("grpo", 8), ("grpo", 16), ("gae", None))),
+    *(("0/1", "k3+", "loss", advantage, n) for advantage, n in (("exact", None), ("drgrpo", 8), ("grpo", 8),
+                                                                  ("grpo", 16), ("gae", None))),
+    ("0/1", "k1", "reward", "grpo", 8),
+)
+
+
+def predicted_with_advantage(ref_probs, rewards, beta: float, estimator: str, placement: str,
+                             model: AdvantageModel) -> tuple[str, torch.Tensor | None]:
+    """(label, the point derived for a row) on a bandit, or ("-", None) where none is derived (k3 with grpo or
+    gae, whose clamp decides): PREDICTED's optimum at beta in the reward whatever the estimator, and in the loss
+    at beta for exact and rloo, at beta n/(n-1) for drgrpo; for grpo and gae with a k2-gradient loss,
+    samuelson_point and whitened_optimum."""
+    optimum = PREDICTED.get((estimator, placement))
+    k2_gradient = placement == "loss" and optimum is reverse_kl_optimum
+    if placement == "reward" or model.advantage in ("exact", "rloo"):
+        return f"{OPTIMUM_NAMES[optimum]} optimum, beta", optimum(ref_probs, rewards, beta)
+    if model.advantage == "drgrpo":
+        scaled = beta * model.n / (model.n - 1)
+        return f"{OPTIMUM_NAMES[optimum]} optimum, beta n/(n-1) = {scaled:.3f}", optimum(ref_probs, rewards, scaled)
+    if k2_gradient and model.advantage == "grpo":
+        return "Samuelson's bound", samuelson_point(ref_probs, rewards, beta, model.n)
+    if k2_gradient and model.advantage == "gae":
+        return "whitened optimum", whitened_optimum(ref_probs, rewards, beta)
+    return "-", None
+
+
+def advantage_report() -> str:
+    """Markdown: where each advantage estimator (ADVANTAGE_ROWS) leaves the policy on BANDIT6_EXAMPLE, against
+    the idealised advantage's fixed point and the point derived for it, then the whitened advantages' criterion."""
+    ex = example(BANDIT6_EXAMPLE)
+    ref, beta = ex["ref_probs"], ex["beta"]
+    rewards = {"r": ex["rewards"], "0/1": ex["binary_rewards"]}
+    lines = [
+        f"Bandit: pi_ref = {BANDIT6_EXAMPLE['ref_probs']}, r = {BANDIT6_EXAMPLE['rewards']}, 0/1 reward "
+        f"{BANDIT6_EXAMPLE['binary_rewards']}, beta = {beta}. beta's reverse-KL optimum: "
+        f"{_vec(reverse_kl_optimum(ref, rewards['r'], beta))} "
+        f"(0/1: {_vec(reverse_kl_optimum(ref, rewards['0/1'], beta))}).",
+        "",
+        "| reward | KL | advantage | fixed point | TV to exact's | converges to | TV to it |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    exact = {}  # the idealised advantage's fixed point of each reward x KL
+    for reward, estimator, placement, advantage, n in ADVANTAGE_ROWS:
+        model = AdvantageModel(advantage, n)
+        probs = bandit_fixed_point(ref, rewards[reward], beta, estimator, placement, advantage=advantage, n=n)
+        if (reward, estimator, placement) not in exact:
+            exact[reward, estimator, placement] = bandit_fixed_point(ref, rewards[reward], beta, estimator, placement)
+        label, point = predicted_with_advantage(ref, rewards[reward], beta, estimator, placement, model)
+        distance = "-" if point is None else _residual(tv(probs, point))
+        lines.append(f"| {reward} | {estimator}, {placement} | {model.label} | {_vec(probs)} | "
+                     f"{tv(probs, exact[reward, estimator, placement]):.3f} | {label} | {distance} |")
+    lines += ["", "Whitened advantages against a k2-gradient KL loss (whitened_optimum):", ""]
+    for name, r in rewards.items():
+        peak = beta * tilt_peak(ref, r)
+        if peak < 1:
+            lines.append(f"- reward {name}: beta max_t t std_pi_t(r) = {peak:.3f} < 1, no root at the rewards' scale; "
+                         f"the whitening's eps stops the flow at t = 1 / (beta sqrt(1e-8)) = "
+                         f"{1 / (beta * math.sqrt(WHITEN_EPS)):.3g}: the best arms in ref's ratios.")
+        else:
+            lines.append(f"- reward {name}: beta max_t t std_pi_t(r) = {peak:.3f} >= 1: the flow stops inside, at "
+                         f"{_vec(whitened_optimum(ref, r, beta))}.")
     return "\n".join(lines)

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf.kl.advantage_models import AdvantageModel
 from rlhf.kl.estimators import kl_penalty
-from rlhf.kl.fixed_points import argmax_optimum, bandit_fixed_point, forward_kl_optimum, reverse_kl_optimum
+from rlhf.kl.fixed_points import argmax_optimum, bandit_fixed_point, forward_kl_optimum, reverse_kl_optimum, tv
 from rlhf.kl.theory import OFF_POLICY_EXAMPLES, divergence_grad, example, forward_kl, off_policy_example, reverse_kl
 
 PLACEMENTS = ("reward", "loss")
@@ -54,7 +55,9 @@ SOURCES: dict[str, Source] = {
 class PeerDefault:
     """One framework setting: `estimator` is this module's name (kl_penalty), `placement` one of PLACEMENTS,
     `correction` one of CORRECTIONS (the module docstring), `kl_coef` the coefficient that setting uses and
-    `default_on` whether the framework's default configuration has this term on at all."""
+    `default_on` whether the framework's default configuration has this term on at all. `advantage` is the
+    advantage estimator its policy gradient uses by default, as rlhf.kl.advantage_models models it (None where
+    none models it), read in `advantage_files`."""
 
     framework: str
     setting: str
@@ -65,6 +68,9 @@ class PeerDefault:
     correction: str
     default_on: bool
     notes: str
+    advantage: AdvantageModel | None = None
+    advantage_files: tuple[str, ...] = ()
+    advantage_notes: str = ""
 
 
 PEERS: tuple[PeerDefault, ...] = (
@@ -74,12 +80,21 @@ PEERS: tuple[PeerDefault, ...] = (
          "verl/trainer/ppo/core_algos.py:2187-2252", "examples/grpo_trainer/run_qwen2-7b_math_megatron_fsdp.sh:50-52"),
         "k3", "loss", 0.001, "none", False,
         "use_kl_loss is off in the config; the GRPO examples turn it on with these values. The rollout-correction "
-        "weights reach only the policy loss."),
+        "weights reach only the policy loss.",
+        advantage=AdvantageModel("grpo", 5),
+        advantage_files=("verl/trainer/config/ppo_trainer.yaml:74-77",
+                         "verl/trainer/ppo/core_algos.py:268-330",
+                         "examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh:60,91-94,128"),
+        advantage_notes=(
+            "grpo divided by the group's torch.std + 1e-6 (norm_adv_by_std_in_grpo defaults to True); most GRPO "
+            "examples sample rollout.n=5 (the one above, 2).")),
     PeerDefault(
         "verl", "algorithm.use_kl_in_reward=True",
         ("verl/trainer/config/ppo_trainer.yaml:98-113", "verl/trainer/ppo/ray_trainer.py:78-110"),
         "k1", "reward", 0.001, "none", False,
-        "fixed controller; computed from old_log_probs; the PPO (gae) examples leave both KLs off."),
+        "fixed controller; computed from old_log_probs; the PPO (gae) examples leave both KLs off.",
+        advantage=AdvantageModel("gae"), advantage_files=("verl/trainer/config/ppo_trainer.yaml:74-77",),
+        advantage_notes="adv_estimator defaults to gae, whitened."),
     PeerDefault(
         "TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=True",
         ("trl/trainer/grpo_config.py:179-182,359-362,671,962-963",
@@ -89,86 +104,136 @@ PEERS: tuple[PeerDefault, ...] = (
         "False at this commit; TRL PR #6503 (merged after it) makes True the default. The ratio is "
         "exp(logp - old_logp), with old_logp = logp.detach() under the defaults (num_iterations=1, one generation "
         "per optimizer step), which are on-policy; importance_sampling_level='sequence' puts a sequence-mean "
-        "ratio there instead."),
+        "ratio there instead.",
+        advantage=AdvantageModel("grpo", 8),
+        advantage_files=("trl/trainer/grpo_config.py:474-480,779-790",
+                         "trl/trainer/grpo_trainer.py:2687-2707"),
+        advantage_notes=(
+            "scale_rewards='group' (the default): divided by the group's unbiased std + 1e-4 (the model's 1e-6 moves "
+            "nothing at these reward gaps), num_generations=8.")),
     PeerDefault(
         "TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=False",
         ("trl/trainer/grpo_config.py:179-182,359-362", "trl/trainer/grpo_trainer.py:3069-3076,3121"),
         "k3", "loss", 0.001, "none", False,
-        "the default at this commit and before PR #6503; k3 written without clamps."),
+        "the default at this commit and before PR #6503; k3 written without clamps.",
+        advantage=AdvantageModel("grpo", 8),
+        advantage_notes="as in the row above."),
     PeerDefault(
         "TRL", "RLOOTrainer",
         ("trl/trainer/rloo_config.py:494-495", "trl/trainer/rloo_trainer.py:1526-1535"),
         "k1", "reward", 0.05, "none", True,
-        "the per-sequence sum of k1 from old_per_token_logps, subtracted from the sequence reward."),
+        "the per-sequence sum of k1 from old_per_token_logps, subtracted from the sequence reward.",
+        advantage=AdvantageModel("rloo", 2), advantage_files=("trl/trainer/rloo_config.py:297-303,523-526",),
+        advantage_notes="num_generations defaults to 2, normalize_advantages to False."),
     PeerDefault(
         "TRL", "PPOTrainer (trl.experimental.ppo)",
         ("trl/experimental/ppo/ppo_config.py:240-252", "trl/experimental/ppo/ppo_trainer.py:773-775"),
         "k1", "reward", 0.05, "none", True,
-        "kl_estimator='k3' is the other choice; per-token penalty from the rollout's log-probs."),
+        "kl_estimator='k3' is the other choice; per-token penalty from the rollout's log-probs.",
+        advantage=AdvantageModel("gae"), advantage_files=("trl/experimental/ppo/ppo_trainer.py:786-797",),
+        advantage_notes="GAE, whitened (masked_whiten, + 1e-8)."),
     PeerDefault(
         "OpenRLHF", "default, every advantage estimator (gae, group_norm = GRPO, ...)",
         ("openrlhf/cli/train_ppo_ray.py:417-429", "openrlhf/trainer/ppo_utils/experience_maker.py:205-212",
          "openrlhf/models/utils.py:64-111", "openrlhf/trainer/ppo_trainer.py:171-176"),
         "k1", "reward", 0.01, "none", True,
-        "from the rollout's log-probs; fixed unless --algo.kl.target is set; every estimator clamped to [-10, 10]."),
+        "from the rollout's log-probs; fixed unless --algo.kl.target is set; every estimator clamped to [-10, 10].",
+        advantage=AdvantageModel("gae"),
+        advantage_files=("openrlhf/cli/train_ppo_ray.py:477-483",
+                         "openrlhf/trainer/ppo_utils/experience_maker.py:314-328"),
+        advantage_notes="--algo.advantage.estimator defaults to gae, whitened over the batch."),
     PeerDefault(
         "OpenRLHF", "--algo.kl.use_loss, estimator left at its default",
         ("openrlhf/cli/train_ppo_ray.py:422-429,485,683-685", "openrlhf/trainer/ray/ppo_actor.py:319-337"),
         "k1", "loss", 0.01, "none", False,
-        "a printed hint recommends k2 or k3 as a loss; the example script passes k2."),
+        "a printed hint recommends k2 or k3 as a loss; the example script passes k2.",
+        advantage=AdvantageModel("gae"),
+        advantage_notes="the default gae."),
     PeerDefault(
         "NeMo-RL", "GRPO: grpo_math_1B.yaml, ClippedPGLossConfig",
         ("examples/configs/grpo_math_1B.yaml:79-90", "nemo_rl/algorithms/loss/loss_functions.py:128-153,469-500",
          "nemo_rl/algorithms/utils.py:42-100"),
         "k3", "loss", 0.01, "unit", True,
         "the weight exp(logp - logp.detach()) since NeMo-RL PR #2506 (2026-06-24; a constant 1 before): per sample "
-        "its gradient is k2's, since k3 + k3' = d. The PPO recipe (ppo_math_1B.yaml:67) sets the coefficient to 0."),
+        "its gradient is k2's, since k3 + k3' = d. The PPO recipe (ppo_math_1B.yaml:67) sets the coefficient to 0.",
+        advantage=None,
+        advantage_files=("examples/configs/grpo_math_1B.yaml:4-9",
+                         "nemo_rl/algorithms/advantage_estimator.py:80-98", "nemo_rl/algorithms/utils.py:149-194"),
+        advantage_notes=(
+            "normalize_rewards and use_leave_one_out_baseline are true (16 per prompt): the leave-one-out mean, "
+            "divided by the other samples' std where it is > 0; not modelled here.")),
     PeerDefault(
         "NeMo-RL", "use_on_policy_kl_approximation=True",
         ("nemo_rl/algorithms/loss/loss_functions.py:153,482-500", "nemo_rl/algorithms/utils.py:42-100"),
         "k3", "loss", 0.01, "rho", False,
         "rho = exp(logp - generation_logp) against the sampler's log-probs, unclipped (nan_to_num); detached "
-        "before PR #2506."),
+        "before PR #2506.",
+        advantage=None,
+        advantage_notes="as in the row above."),
     PeerDefault(
         "NeMo-RL", "use_kl_in_reward=True (Reinforce++, GAE)",
         ("nemo_rl/algorithms/loss/loss_functions.py:135,240-242",
          "nemo_rl/algorithms/advantage_estimator.py:193-255,384-393"),
         "k3", "reward", 0.01, "none", False,
-        "the reward uses reference_policy_kl_type, k3 unless changed."),
+        "the reward uses reference_policy_kl_type, k3 unless changed.",
+        advantage=None,
+        advantage_notes="Reinforce++ is not modelled here."),
     PeerDefault(
         "slime", "GRPO scripts: --use-kl-loss --kl-loss-type low_var_kl",
         ("slime/utils/arguments.py:934-938,981-994", "slime/backends/megatron_utils/loss.py:1116-1130",
          "slime/utils/ppo_utils.py:11-51", "scripts/run-qwen3-4B.sh:91-95"),
         "k3", "loss", 0.0, "none", False,
-        "the scripts pass --kl-loss-coef 0.00 (the default), so the term is computed and weighs nothing."),
+        "the scripts pass --kl-loss-coef 0.00 (the default), so the term is computed and weighs nothing.",
+        advantage=AdvantageModel("grpo", 8),
+        advantage_files=("slime/utils/arguments.py:941-951,1004-1009",
+                         "slime/ray/rollout.py:612-631", "scripts/run-qwen3-4B.sh:58,92"),
+        advantage_notes=(
+            "--advantage-estimator grpo (the default), divided by the group's torch.std + 1e-6 unless "
+            "--disable-grpo-std-normalization; the script's --n-samples-per-prompt 8.")),
     PeerDefault(
         "slime", "--use-kl-loss, --kl-loss-type left at its default",
         ("slime/utils/arguments.py:934-938,981-988", "slime/backends/megatron_utils/loss.py:1116-1130"),
         "k1", "loss", 0.0, "none", False,
-        "--kl-loss-type defaults to k1; the coefficient to 0.0."),
+        "--kl-loss-type defaults to k1; the coefficient to 0.0.",
+        advantage=AdvantageModel("grpo", 8),
+        advantage_notes="as in the GRPO scripts."),
     PeerDefault(
         "slime", "--use-kl-loss --use-unbiased-kl (low_var_kl)",
         ("slime/utils/arguments.py:989-994", "slime/backends/megatron_utils/loss.py:1116-1130",
          "slime/utils/ppo_utils.py:43-49"),
         "k3", "loss", 0.0, "rho", False,
-        "rho = exp(logp - old_logp), unclipped; for low_var_kl the product is clamped to [-10, 10]."),
+        "rho = exp(logp - old_logp), unclipped; for low_var_kl the product is clamped to [-10, 10].",
+        advantage=AdvantageModel("grpo", 8),
+        advantage_notes="as in the GRPO scripts."),
     PeerDefault(
         "slime", "--kl-coef > 0 (advantage estimator ppo or reinforce_plus_plus)",
         ("slime/utils/arguments.py:909-913,934-938,1846", "slime/backends/megatron_utils/loss.py:743-776",
          "slime/utils/ppo_utils.py:361-368"),
         "k1", "reward", 0.0, "none", False,
-        "the reward KL uses --kl-loss-type (k1 by default); the grpo estimator ignores it."),
+        "the reward KL uses --kl-loss-type (k1 by default); the grpo estimator ignores it.",
+        advantage=AdvantageModel("gae"),
+        advantage_notes="ppo's (GAE, whitened); reinforce_plus_plus is not modelled here."),
     PeerDefault(
         "SkyRL", "default (grpo and gae alike)",
         ("skyrl/train/config/config.py:823-836", "skyrl/backends/skyrl_train/utils/ppo_utils.py:89-120",
          "skyrl/backends/skyrl_train/workers/worker.py:1070-1080"),
         "k3", "loss", 0.001, "none", True,
-        "use_kl_loss defaults to True; the GRPO and PPO examples keep it."),
+        "use_kl_loss defaults to True; the GRPO and PPO examples keep it.",
+        advantage=AdvantageModel("grpo", 5),
+        advantage_files=(
+                         "skyrl/train/config/config.py:823,892-894,1225",
+                         "skyrl/backends/skyrl_train/utils/ppo_utils.py:1344-1390"),
+        advantage_notes=(
+            "advantage_estimator defaults to grpo, divided by the group's torch.std + 1e-6 (grpo_norm_by_std=True), "
+            "n_samples_per_prompt=5.")),
     PeerDefault(
         "SkyRL", "use_kl_in_reward=True (use_kl_loss=False)",
         ("skyrl/train/config/config.py:828-836", "skyrl/train/trainer.py:1410-1436"),
         "k3", "reward", 0.001, "none", False,
-        "the reward uses kl_estimator_type, k3 unless changed."),
+        "the reward uses kl_estimator_type, k3 unless changed.",
+        advantage=AdvantageModel("grpo", 5),
+        advantage_notes="as in the default row."),
+
 )
 
 
@@ -219,13 +284,15 @@ def verdict(grad: torch.Tensor, logits: torch.Tensor, ref_probs: torch.Tensor, a
 def on_policy_equivalent(peer: PeerDefault) -> tuple[str, str]:
     """(estimator, placement) with the same on-policy expected gradient as `peer`, for bandit_fixed_point.
 
-    rho and unit weights add the reward-placement gradient to the loss one, i.e. grad E_pi[k]; for an unbiased
-    value (k1, k3) that is grad KL(pi || ref), which k1 in the reward also gives. Raises for other estimators.
+    rho and unit weights add the reward-placement gradient to the loss one, i.e. grad E_pi[k], per sample
+    (k + k') grad log pi; for an unbiased value (k1, k3) that is grad KL(pi || ref) (k3 + k3' = d, k1 + k1' = d + 1),
+    which k2 in the loss also gives. It stays a loss term, outside the advantage: an advantage estimator that
+    rescales the policy gradient (grpo's std) leaves it as it is. Raises for other estimators.
     """
     if peer.placement == "reward" or peer.correction == "none":
         return peer.estimator, peer.placement
     if peer.estimator in ("k1", "kl", "k3", "low_var_kl"):
-        return "k1", "reward"
+        return "k2", "loss"
     raise ValueError(f"no on-policy equivalent for {peer.estimator} with weight {peer.correction!r}")
 
 
@@ -242,11 +309,17 @@ def bandit() -> tuple[torch.Tensor, torch.Tensor, float]:
     return ref_probs, torch.tensor(BANDIT_REWARDS, dtype=torch.float64), BANDIT_BETA
 
 
-def peer_fixed_point(peer: PeerDefault) -> torch.Tensor:
-    """Where `peer`'s setting stops on bandit() (K,): bandit_fixed_point of its on_policy_equivalent."""
+def peer_fixed_point(peer: PeerDefault, with_advantage: bool = False) -> torch.Tensor:
+    """Where `peer`'s setting stops on bandit() (K,): bandit_fixed_point of its on_policy_equivalent, with the
+    idealised advantage or, if `with_advantage`, with peer.advantage (raises ValueError where that is None)."""
     estimator, placement = on_policy_equivalent(peer)
     ref_probs, rewards, beta = bandit()
-    return bandit_fixed_point(ref_probs, rewards, beta, estimator, placement)
+    if not with_advantage:
+        return bandit_fixed_point(ref_probs, rewards, beta, estimator, placement)
+    if peer.advantage is None:
+        raise ValueError(f"{peer.framework}, {peer.setting}: its advantage estimator is not modelled")
+    return bandit_fixed_point(ref_probs, rewards, beta, estimator, placement, advantage=peer.advantage.advantage,
+                              n=peer.advantage.n)
 
 
 def fixed_point_verdict(
@@ -266,14 +339,27 @@ def fixed_point_verdict(
     return f"other, max|pi - reverse opt| = {gap:.3f}"
 
 
+def advantage_verdict(peer: PeerDefault, atol: float = 1e-10) -> str:
+    """Where `peer` stops on bandit() with its own advantage estimator, against the idealised advantage's point:
+    'not modelled', '<model>: the same' (to atol), or '<model>: best arm p, TV t from it'."""
+    if peer.advantage is None:
+        return "not modelled"
+    probs, idealised = peer_fixed_point(peer, with_advantage=True), peer_fixed_point(peer)
+    if (probs - idealised).abs().max() <= atol:
+        return f"{peer.advantage.label}: the same"
+    return f"{peer.advantage.label}: best arm {probs.max().item():.3f}, TV {tv(probs, idealised):.3f} from it"
+
+
 def peer_cells(peer: PeerDefault) -> dict[str, str]:
-    """The table's computed cells for `peer`: on_policy (example A), off_policy (example C), fixed_point."""
+    """The table's computed cells for `peer`: on_policy (example A), off_policy (example C), fixed_point,
+    with_advantage (advantage_verdict)."""
     logits, ref_probs = example("A")
     c_logits, c_ref, c_old = off_policy_example("C")
     return {
         "on_policy": verdict(peer_kl_grad(peer, logits, ref_probs), logits, ref_probs),
         "off_policy": verdict(peer_kl_grad(peer, c_logits, c_ref, c_old), c_logits, c_ref),
         "fixed_point": fixed_point_verdict(peer_fixed_point(peer), *bandit()),
+        "with_advantage": advantage_verdict(peer),
     }
 
 
@@ -282,21 +368,23 @@ def peer_report() -> str:
     pi_old = OFF_POLICY_EXAMPLES["C"][1]
     lines = [
         "| framework | setting | on by default | estimator, placement | coef | weight | on-policy (A) "
-        "| after the first step (C) | bandit fixed point |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| after the first step (C) | bandit fixed point | with its advantage estimator |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for peer in PEERS:
         cells = peer_cells(peer)
         lines.append(
             f"| {peer.framework} | {peer.setting} | {'yes' if peer.default_on else 'no'} "
             f"| {peer.estimator}, {peer.placement} | {peer.kl_coef:g} | {peer.correction} | {cells['on_policy']} "
-            f"| {cells['off_policy']} | {cells['fixed_point']} |"
+            f"| {cells['off_policy']} | {cells['fixed_point']} | {cells['with_advantage']} |"
         )
     lines += [
         "",
         "Gradients: of the KL term per unit coefficient, exact over the vocabulary, against grad KL(pi || ref); "
         f"(A) on-policy on example A, (C) on example C (tokens from pi_old = {pi_old}). Fixed point: on the "
-        f"bandit ref = example A's, r = {BANDIT_REWARDS}, beta = {BANDIT_BETA}.",
+        f"bandit ref = example A's, r = {BANDIT_REWARDS}, beta = {BANDIT_BETA}, with the idealised advantage "
+        "r_x - E_pi r, then with the advantage estimator the setting runs by default (rlhf.kl.advantage_models; "
+        "'TV from it': to the idealised advantage's point).",
         "",
         "Sources (file:lines at the commit named):",
         "",
@@ -306,4 +394,6 @@ def peer_report() -> str:
         for peer in PEERS:
             if peer.framework == framework:
                 lines.append(f"  - {peer.setting}: {', '.join(peer.files)}. {peer.notes}")
+                files = f"{', '.join(peer.advantage_files)}. " if peer.advantage_files else ""
+                lines.append(f"    Advantage: {files}{peer.advantage_notes}")
     return "\n".join(lines)
