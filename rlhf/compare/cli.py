@@ -12,9 +12,9 @@ import os
 import sys
 import time
 
-from rlhf.compare.grid import (DEFAULT_GRID, GRIDS, GRPO_GRID, REGIMES, Arm, grid_jobs, run_grid, run_overrides,
-                               seed_list, shared_overrides)
-from rlhf.compare.landing import LANDING_GRID, VARIANTS, landing_report, variant_dir
+from rlhf.compare.grid import (DEFAULT_GRID, GRIDS, GRPO_GRID, REGIMES, Arm, grid_jobs, run_dir, run_grid, run_key,
+                               run_overrides, seed_list, shared_overrides)
+from rlhf.compare.landing import LANDING_GRID, VARIANTS, landing_report, run_all, variant_dir
 from rlhf.compare.report import write_report
 from rlhf.config import ConfigError, load_config
 
@@ -186,11 +186,15 @@ def landing_main(args) -> int:
         return 2
     print(f"{len(arms)} runs x {len(variants)} advantage estimators ({', '.join(variants)}) x {len(seeds)} "
           f"seed(s), KL coefficient {kl_coef}, in {output_dir}, {args.jobs} at a time", flush=True)
-    start, status = time.perf_counter(), {}
+    jobs = []
     for variant in variants:
-        status.update({f"{variant} {key}": result for key, result in run_grid(
-            arms, config, variant_dir(output_dir, variant), cache_dir, shared, [*VARIANTS[variant], *extra],
-            args.skip_done, None, seeds, args.jobs).items()})
+        for arm, seed in grid_jobs(arms, seeds):
+            directory = run_dir(variant_dir(output_dir, variant), arm, seed)
+            overrides = run_overrides(arm, variant_dir(output_dir, variant), cache_dir, shared,
+                                      [*VARIANTS[variant], *extra], seed)
+            jobs.append((f"{variant} {run_key(arm.name, seed)}", config, overrides, directory))
+    start = time.perf_counter()
+    status = run_all(jobs, args.jobs)
     print(f"grid finished in {(time.perf_counter() - start) / 60:.1f} min")
     print(landing_report(output_dir, seeds, args.grid))
     failed = [name for name, s in status.items() if s.startswith("failed")]

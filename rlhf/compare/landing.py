@@ -36,6 +36,70 @@ VARIANTS = {
 LANDING_GRID = tuple(f"{placement}:{estimator}" for estimator in ESTIMATORS for placement in PLACEMENTS)
 
 
+def run_in_process(config: str, overrides: list[str], directory: str) -> str:
+    """One run, train.main in this process, its output in <directory>/train.log; "ok" or "failed (<error>)".
+    The landing grid's runs take seconds, a fresh train.py process mostly spends them importing, so each worker
+    of `run_all` imports the trainer once and runs many (every run's config and seeds are its own)."""
+    import contextlib
+    import shutil
+    import traceback
+
+    import torch
+
+    import train
+    from rlhf.config import load_config
+
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    torch.set_num_threads(1)
+    with open(os.path.join(directory, "train.log"), "w") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        try:
+            train.main(load_config(config, overrides))
+        except Exception as e:  # reported, not fatal: the other runs and the report still go on
+            traceback.print_exc()
+            return f"failed ({type(e).__name__}: {e})"
+    return "ok"
+
+
+def run_all(jobs: list[tuple[str, str, list[str], str]], workers: int) -> dict[str, str]:
+    """Run each (key, config, overrides, directory) by run_in_process, `workers` processes at a time, each on
+    one thread (OMP_WAIT_POLICY=PASSIVE, so that waiting threads do not spin on the other's core). Returns
+    {key: status} in the given order, printing a line as each run ends."""
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from rlhf.compare.grid import say
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    status = {key: "not run" for key, *_ in jobs}
+    start = time.perf_counter()
+    if workers <= 1:  # here, one after another (no worker process to start)
+        for i, (key, config, overrides, directory) in enumerate(jobs, 1):
+            status[key] = run_in_process(config, overrides, directory)
+            say(f"[{i}/{len(jobs)}] {key} {status[key]}{_landed_at(directory)} ({time.perf_counter() - start:.0f}s in)")
+        return status
+    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(run_in_process, config, overrides, directory): (i, key, directory)
+                   for i, (key, config, overrides, directory) in enumerate(jobs, 1)}
+        for future in as_completed(futures):
+            i, key, directory = futures[future]
+            status[key] = future.result()
+            say(f"[{i}/{len(jobs)}] {key} {status[key]}{_landed_at(directory)} ({time.perf_counter() - start:.0f}s in)")
+    return status
+
+
+def _landed_at(directory: str) -> str:
+    """': TV to its fixed point 0.012' from a finished run's theory.json, '' without one."""
+    path = os.path.join(directory, "theory.json")
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f": TV to its fixed point {json.load(f)['metrics']['theory/tv_to_fixed_point']:.3f}"
+
+
 def variant_dir(output_dir: str, variant: str) -> str:
     """Where one advantage estimator's runs go: <output_dir>/<variant>/<run>/seed<s>/."""
     return os.path.join(output_dir, variant)
