@@ -41,6 +41,10 @@ def run_kl(cfg) -> tuple[str | None, str | None, float]:
                          "actor.use_kl_loss, not both, on a synthetic task")
     if a.use_kl_in_reward:
         return a.kl_penalty, "reward", a.kl_ctrl.kl_coef
+    if ac.use_kl_loss and ac.kl_loss_off_policy_correction:
+        # weighted by rho = pi / pi_old in the graph, k1's and k3's loss has the expected gradient of E_pi[k] =
+        # KL(pi || ref) at every mini-batch, which k2 in the loss has on-policy (rlhf.kl.peers.on_policy_equivalent)
+        return "k2", "loss", ac.kl_loss_coef
     if ac.use_kl_loss:
         return ac.kl_loss_type, "loss", ac.kl_loss_coef
     return None, None, ac.kl_loss_coef
@@ -130,7 +134,10 @@ class Landing:
             candidates["token_level_optimum"] = joint(fp.token_level_optimum(first, second, rewards, beta))
             candidates["token_level_forward_optimum"] = joint(
                 fp.token_level_optimum(first, second, rewards, beta, fp.forward_kl_optimum))
+        ac = cfg.actor
         where = "no KL" if estimator is None else f"{estimator} in the {placement}"
+        if placement == "loss" and ac.kl_loss_off_policy_correction:
+            where = f"{ac.kl_loss_type} in the loss, corrected (as k2 on-policy)"
         label = f"{where}, {a.adv_estimator}" + (f" (n = {cfg.rollout.n})" if a.adv_estimator != "gae" else "")
         return cls(task, temperature, ref, rewards, beta, label, candidates)
 

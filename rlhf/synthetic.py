@@ -29,6 +29,7 @@ import shutil
 import torch
 
 from rlhf.config import SYNTHETIC_TASKS as TASKS, SyntheticConfig
+from rlhf import kl
 from rlhf.kl import fixed_points as fp
 
 PROMPT_TOKEN = "<s>"
@@ -62,6 +63,10 @@ def check_config(cfg) -> None:
     if cfg.algorithm.use_kl_in_reward and cfg.actor.use_kl_loss:
         raise ValueError("the fixed points model one KL placement: set algorithm.use_kl_in_reward or "
                          "actor.use_kl_loss, not both")
+    ac = cfg.actor
+    if ac.use_kl_loss and ac.kl_loss_off_policy_correction and kl.canonical(ac.kl_loss_type) not in ("k1", "k3"):
+        raise ValueError(f"the fixed points model actor.kl_loss_off_policy_correction for k1 and k3 (whose "
+                         f"corrected gradient is k2's on-policy), not for {ac.kl_loss_type}")
     if cfg.synthetic.num_arms < 1:
         raise ValueError(f"synthetic.num_arms must be >= 1, got {cfg.synthetic.num_arms}")
     if not 0 < cfg.synthetic.tree_prompt_mass < 1:
