@@ -191,6 +191,28 @@ def cell_rows(cells: list[Cell]) -> list[str]:
     return rows
 
 
+def summary_rows(cells: list[Cell]) -> list[str]:
+    """One row per estimator x placement, one column per advantage estimator: the final TV to that cell's own
+    fixed point (mean ± 95% over seeds), `landed` or `NOT landed`, and `apart` when it is resolved apart from
+    every candidate that is not the same point (else the candidates it is not told apart from)."""
+    variants = [v for v in VARIANTS if any(c.variant == v for c in cells)]
+    rows = ["| run | " + " | ".join(variants) + " |", "|---" * (1 + len(variants)) + "|"]
+    for arm in dict.fromkeys(c.arm for c in cells):
+        entries = []
+        for variant in variants:
+            cell = next((c for c in cells if c.variant == variant and c.arm == arm), None)
+            if cell is None:
+                entries.append("not run")
+                continue
+            own = cell.estimate("fixed_point")
+            close = [name for name in cell.candidates if not cell.same_point(name)
+                     and not (excludes_zero(cell.apart(name)) and cell.apart(name).mean > 0)]
+            landed = "landed" if max(own.values) <= LANDED else "**NOT landed**"
+            entries.append(f"{_fmt(own)} {landed}" + (f", not told from {', '.join(close)}" if close else ""))
+        rows.append(f"| {arm} | " + " | ".join(entries) + " |")
+    return rows
+
+
 def crossover(cells: list[Cell], variant: str = "rloo") -> list[str]:
     """The crossover's lines: k3 in the loss against the forward-KL optimum, k3+ against the reverse one, each
     margin (TV to the other optimum - TV to its own) with its spread over seeds and their ratio."""
@@ -219,7 +241,8 @@ def landing_report(output_dir: str, seeds: list[int], task: str) -> str:
     lines = [f"# Where the trainer lands: the {task}", "",
              f"Final total variation to each point, mean ± 95% interval over seeds {seeds} (Student t); landed = "
              f"every seed within {LANDED}; apart = the paired difference (TV to the candidate - TV to the fixed "
-             "point) resolved above 0.", "", *cell_rows(cells), ""]
+             "point) resolved above 0.", "", *summary_rows(cells), "", "Every cell and candidate:", "",
+             *cell_rows(cells), ""]
     if task == "bandit":
         lines += ["The crossover:", "", *crossover(cells), ""]
     lines += [f"Cells that did not land: {', '.join(missed) if missed else 'none'}."]
@@ -232,16 +255,14 @@ def landing_report(output_dir: str, seeds: list[int], task: str) -> str:
 
 def _figure(output_dir: str, cells: list[Cell], seeds: list[int], task: str) -> str:
     """landing.png: per advantage estimator, the TV to the fixed point against steps (mean over seeds), one
-    line per cell, on a log scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    line per cell (colour: the estimator; solid: in the reward, dashed: in the loss), on a log scale."""
+    from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global state (safe in notebooks)
 
     from rlhf.tracking import read_metrics
 
     variants = [v for v in VARIANTS if any(c.variant == v for c in cells)]
-    fig, axes = plt.subplots(1, len(variants), figsize=(5 * len(variants), 4), sharey=True, squeeze=False)
+    fig = Figure(figsize=(5 * len(variants), 4), layout="constrained")
+    axes = fig.subplots(1, len(variants), sharey=True, squeeze=False)
     for ax, variant in zip(axes[0], variants):
         for cell in (c for c in cells if c.variant == variant):
             curves = []
@@ -251,15 +272,15 @@ def _figure(output_dir: str, cells: list[Cell], seeds: list[int], task: str) -> 
                                if "theory/tv_to_fixed_point" in r])
             steps = [s for s, _ in curves[0]]
             mean = [sum(c[i][1] for c in curves) / len(curves) for i in range(len(steps))]
-            ax.plot(steps, mean, lw=1, label=cell.arm)
+            placement, estimator = cell.arm.split(":")
+            ax.plot(steps, mean, lw=1, label=cell.arm, color=f"C{ESTIMATORS.index(estimator)}",
+                    linestyle="-" if placement == "reward" else "--")  # colour: estimator; dashes: a KL loss
         ax.axhline(LANDED, color="k", ls="--", lw=0.8)
         ax.set_yscale("log")
         ax.set_title(f"{task}, {variant}")
         ax.set_xlabel("step")
     axes[0][0].set_ylabel("TV to its fixed point")
     axes[0][-1].legend(fontsize=6, ncol=2)
-    fig.tight_layout()
     path = os.path.join(output_dir, "landing.png")
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
