@@ -125,3 +125,41 @@ def test_the_trainer_lands_where_the_theory_says(claim, tmp_path):
     start = rows[0][f"theory/tv_to_{target}"]
     assert start == pytest.approx(fp.tv(point(record["ref"]), point(record["candidates"][target])), abs=1e-12)
     assert [r["step"] for r in rows if f"theory/tv_to_{target}" in r] == list(range(len(rows)))
+
+
+def test_the_landing_report_reads_its_verdicts_off_the_runs(tmp_path):
+    """landing_report from theory.json files written here: a cell within LANDED of its fixed point on every seed
+    landed, one seed beyond it did not; a candidate equal to the fixed point is not asked to be told apart; the
+    crossover's margin is compared with its spread over seeds."""
+    from rlhf.compare.grid import Arm, run_dir
+    from rlhf.compare.landing import LANDED, landing_report, read_cells, variant_dir
+
+    rev, fwd = [0.6, 0.4], [0.4, 0.6]
+
+    def write(arm, seed, tv_fp, tv_rev, tv_fwd, fixed_point):
+        directory = run_dir(variant_dir(str(tmp_path), "rloo"), Arm.parse(arm), seed)
+        os.makedirs(directory)
+        metrics = {"theory/tv_to_fixed_point": tv_fp, "theory/tv_to_reverse_optimum": tv_rev,
+                   "theory/tv_to_forward_optimum": tv_fwd}
+        with open(os.path.join(directory, "theory.json"), "w") as f:
+            json.dump({"fixed_point": arm, "candidates": {"fixed_point": fixed_point, "reverse_optimum": rev,
+                                                          "forward_optimum": fwd}, "metrics": metrics}, f)
+        with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 0, **metrics}) + "\n")
+
+    for seed, noise in zip((1, 2, 3), (0.001, 0.002, 0.003)):
+        write("loss:k3", seed, noise, 0.2 + 2 * noise, noise, fwd)  # lands on the forward optimum
+        write("loss:k3+", seed, 0.01 * seed + noise, 0.01 * seed + noise, 0.2, rev)  # seed 3 ends 0.033 away
+    report = landing_report(str(tmp_path), [1, 2, 3], "bandit", ["loss:k3", "loss:k3+"])
+    rows = {line.split(" | ")[0]: line for line in report.splitlines() if line.startswith("| loss")}
+    assert "landed" in rows["| loss:k3"] and "NOT" not in rows["| loss:k3"]
+    assert "**NOT landed**" in rows["| loss:k3+"] and 0.033 > LANDED
+    k3 = next(c for c in read_cells(str(tmp_path), [1, 2, 3], ["loss:k3"]))
+    assert k3.same_point("forward_optimum") and not k3.same_point("reverse_optimum")
+    assert k3.apart("reverse_optimum").mean == pytest.approx(0.202)
+    # k3's margin (TV to the reverse minus to the forward optimum) 0.202 with sd 0.001 over seeds: 202x, met;
+    # k3+'s 0.178 with sd 0.011: 16x, met
+    crossover = [line for line in report.splitlines() if "its spread" in line]
+    assert "margin 0.202, sd over seeds 0.0010: 202x its spread (met" in crossover[0]
+    assert "margin 0.178, sd over seeds 0.0110: 16x its spread (met" in crossover[1]
+    assert "Cells that did not land: rloo loss:k3+." in report

@@ -196,7 +196,7 @@ def landing_main(args) -> int:
     start = time.perf_counter()
     status = run_all(jobs, args.jobs)
     print(f"grid finished in {(time.perf_counter() - start) / 60:.1f} min")
-    print(landing_report(output_dir, seeds, args.grid))
+    print(landing_report(output_dir, seeds, args.grid, [arm.name for arm in arms]))
     failed = [name for name, s in status.items() if s.startswith("failed")]
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)

@@ -148,11 +148,11 @@ def _run_path(output_dir: str, variant: str, arm: str, seed: int, seeds: list[in
     return os.path.join(run_dir(variant_dir(output_dir, variant), Arm.parse(arm), layout_seed), name)
 
 
-def read_cells(output_dir: str, seeds: list[int]) -> list[Cell]:
-    """Every cell with a theory.json under output_dir (variant_dir / run_dir layout), in grid order."""
+def read_cells(output_dir: str, seeds: list[int], runs=LANDING_GRID) -> list[Cell]:
+    """Every cell of `runs` with a theory.json under output_dir (variant_dir / run_dir layout), in grid order."""
     cells = []
     for variant in VARIANTS:
-        for text in LANDING_GRID:
+        for text in runs:
             records = {}
             for seed in seeds:
                 path = _run_path(output_dir, variant, text, seed, seeds, "theory.json")
@@ -233,10 +233,10 @@ def crossover(cells: list[Cell], variant: str = "rloo") -> list[str]:
     return lines
 
 
-def landing_report(output_dir: str, seeds: list[int], task: str) -> str:
+def landing_report(output_dir: str, seeds: list[int], task: str, runs=LANDING_GRID) -> str:
     """Write <output_dir>/landing.md (the table, the crossover, the cells that did not land) and, with
     matplotlib, <output_dir>/landing.png (TV to the fixed point against steps); returns the markdown."""
-    cells = read_cells(output_dir, seeds)
+    cells = read_cells(output_dir, seeds, runs)
     missed = [f"{c.variant} {c.arm}" for c in cells if max(c.estimate("fixed_point").values) > LANDED]
     lines = [f"# Where the trainer lands: the {task}", "",
              f"Final total variation to each point, mean ± 95% interval over seeds {seeds} (Student t); landed = "
