@@ -59,6 +59,14 @@ sys.path.insert(0, os.environ["REPO"])
 import train
 
 train.compute_score = lambda response, ground_truth, method="strict": float(int(ground_truth) % 2 == 0)
+if os.environ.get("RESPONSES_DIR"):  # each rank's sampled response ids, one line per step
+    real_rollout = train.rollout
+    def rollout(*args, **kwargs):
+        batch = real_rollout(*args, **kwargs)
+        with open(os.path.join(os.environ["RESPONSES_DIR"], "responses_rank%s.jsonl" % os.environ["RANK"]), "a") as f:
+            f.write(json.dumps(batch["response_ids"].tolist()) + "\\n")
+        return batch
+    train.rollout = rollout
 changes = []
 def record(event, args):  # Python-level writes (torch.save's C++ writer is not seen)
     if event == "open" and isinstance(args[0], (str, os.PathLike)) and (
@@ -237,6 +245,27 @@ def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_pat
     for key, value in uninterrupted[-1].items():
         if not key.startswith(("timing_s/", "perf/")):
             assert resumed[-1][key] == value, key
+
+
+def test_processes_sample_with_their_own_noise(artifacts, tmp_path, monkeypatch):
+    """rollout.paired_noise off (the default): each process draws its own sampling noise (rlhf.setup seeds
+    seed + process index). Every training prompt is the same one here, sampled at temperature 1, so processes
+    sharing their noise would sample the same responses, row for row; with their own noise no row agrees."""
+    with open(artifacts.train_file) as f:
+        row = f.readline()
+    same_prompt = tmp_path / "same_prompt.jsonl"
+    same_prompt.write_text(row * 16)
+    responses = tmp_path / "responses"
+    responses.mkdir()
+    monkeypatch.setenv("RESPONSES_DIR", str(responses))
+    out = tmp_path / "run"
+    launch(tmp_path, tiny_overrides(artifacts, out, f"data.train_files={same_prompt}", "rollout.temperature=1.0",
+                                    "trainer.total_steps=1", "trainer.logger=none", "data.max_val_samples=2"))
+    first, second = ([json.loads(line) for line in (responses / f"responses_rank{rank}.jsonl").read_text().splitlines()]
+                     for rank in (0, 1))
+    assert len(first) == len(second) == 1 and len(first[0]) == len(second[0]) == 4  # step 1: 4 responses each
+    assert len({tuple(r) for r in first[0]}) == 4  # one process's rows differ: the samples are not degenerate
+    assert not [i for i, (a, b) in enumerate(zip(first[0], second[0])) if a == b]
 
 
 LAUNCH_CONFIGS = {"one_gpu": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP"}
