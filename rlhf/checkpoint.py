@@ -13,7 +13,10 @@ to resume from).
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -84,7 +87,9 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, info: di
         with open(os.path.join(tmp, RUN_INFO), "w") as f:
             json.dump(info or {}, f)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
+    # accelerator._models: the prepared models save_state writes (accelerate has no public name for them)
+    with tied_weights_stored_once([accelerator.unwrap_model(m) for m in accelerator._models]):
+        accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
@@ -93,6 +98,58 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, info: di
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def tied_parameter_names(models) -> set[str]:
+    """Every name of a parameter that a model holds under more than one name (one nn.Parameter: the input
+    embedding and a tied `lm_head.weight`, as `tie_word_embeddings` makes them)."""
+    names = set()
+    for model in models:
+        by_parameter: dict[int, list[str]] = {}
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            by_parameter.setdefault(id(parameter), []).append(name)
+        names.update(n for group in by_parameter.values() if len(group) > 1 for n in group)
+    return names
+
+
+class _TiedWeightsFilter(logging.Filter):
+    """Drops accelerate's "Removed shared tensor {...} while saving" when every name removed is a tied
+    parameter of the saved models; any other shared storage (say, a buffer that is a view of a weight, which
+    loading would not restore) is still reported."""
+
+    MESSAGE = re.compile(r"Removed shared tensor (\{.*?\}) while saving")
+
+    def __init__(self, tied: set[str]):
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = self.MESSAGE.search(record.getMessage())
+        if not found:
+            return True
+        try:
+            removed = ast.literal_eval(found.group(1))
+        except (ValueError, SyntaxError):
+            return True
+        return not (isinstance(removed, set) and removed <= self.tied)
+
+
+@contextlib.contextmanager
+def tied_weights_stored_once(models):
+    """Silence the warning accelerate's safetensors save gives for tied embeddings, inside the block.
+
+    safetensors refuses two names for one storage, so accelerate keeps the first name of each tied group
+    (`model.embed_tokens.weight`) and warns that it removed the other (`lm_head.weight`) on every
+    checkpoint. That is harmless here: the tie is one nn.Parameter of the model object, so loading the kept
+    name fills both (tests/test_reliability.py: after a resume `lm_head.weight` is the embedding, with the
+    saved values). The filter matches only that message and only those names."""
+    logger = logging.getLogger("accelerate.utils.other")  # where clean_state_dict_for_safetensors logs
+    quiet = _TiedWeightsFilter(tied_parameter_names(models))
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def check_resumable(path: str, adv_estimator: str) -> None:

@@ -3,8 +3,9 @@
 Each row must exit with code 2 before any model loads, with one paragraph on stderr that names the key,
 the bad value and the valid choices, and no traceback. The whole table runs through `train.cli` (what
 `python train.py` calls) in this process; one row per path an error takes also runs as a real subprocess,
-which must fail in under 10 s. That limit is checked on the child's CPU time (its cost on an idle
-machine): on a shared test machine the wall time can be several times longer.
+which must cost no more CPU than importing train.py does (give or take the variation of one start). The
+limit is on the child's CPU time (its cost on an idle machine), never on wall time: on a shared test machine
+the wall time can be several times longer.
 
 `full` where logits are unavailable: in a config `full` is always available (the trainer has both models'
 logits); from Python, `kl.kl_penalty(..., "full")` refuses and points to `full_kl`
@@ -132,8 +133,8 @@ SUBPROCESS_ROWS = ["unknown key", "malformed KL in loss", "invalid YAML", "rows 
 
 
 def test_bad_input_through_the_real_command_line(bad_files):
-    """`python train.py ...` as a subprocess: exit code 2, the message, no traceback, and within 5 s of CPU
-    of what importing train.py alone costs (a Python start with torch, transformers and datasets: 5-13 s of
+    """`python train.py ...` as a subprocess: exit code 2, the message, no traceback, and about the CPU
+    time of what importing train.py alone costs (a Python start with torch, transformers and datasets: 5-13 s of
     CPU, depending on the machine and its load), so nothing heavy runs before the refusal.
 
     Every row of the table fails the same way (cli() catches ConfigError); these rows cover each path the
@@ -147,8 +148,12 @@ def test_bad_input_through_the_real_command_line(bad_files):
     assert imports[0] == 0, imports[2][-2000:]
     for (name, _, needles), (code, stdout, stderr, wall, cpu) in zip(rows, results):
         check_refusal(name, code, stdout, stderr, needles, bad_files)
-        assert cpu < imports[4] + 5, f"{name}: {cpu:.1f} s of CPU, importing train.py alone {imports[4]:.1f} s"
-        assert wall < 60, f"{name}: {wall:.1f} s of wall time"
+        # A refusal costs what the import costs (on a 2-core machine: 8.6-10.7 s against 9.5-10.2 s for the
+        # import alone), and one start's CPU time varies by ~10% with the machine's load: so a bound relative
+        # to the import (+30% + 1 s), which scales with the machine's speed. No wall-clock limit: the wall time
+        # is the machine's load (a hang is killed after 120 s by run_cli, and then the exit code fails).
+        assert cpu < 1.3 * imports[4] + 1, (f"{name}: {cpu:.1f} s of CPU ({wall:.0f} s wall), importing train.py "
+                                           f"alone {imports[4]:.1f} s")
 
 
 def test_batch_not_divisible_by_processes_is_refused():

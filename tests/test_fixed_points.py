@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from helpers import nudge
 
 from rlhf import kl_theory
 from rlhf.kl import canonical
@@ -276,8 +277,12 @@ def test_nonnegative_estimators_in_the_reward_on_the_tree(name):
     assert spread(returns[alive] - BETA * value(d)) < 1e-8 and (d >= 0).all()
 
 
-def test_report_tables():
-    report = fp.fixed_point_report()
+@pytest.fixture(scope="module")
+def report():
+    return fp.fixed_point_report()
+
+
+def test_report_tables(report):
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| k") or line.startswith("| a")
             or line.startswith("| f")]
     assert len(rows) == 2 * 2 * len(fp.ESTIMATORS)  # bandit and tree, both placements
@@ -287,7 +292,8 @@ def test_report_tables():
     assert "| k3 | loss | (0.096, 0.102, 0.115, 0.687) | forward KL optimum |" in report
     assert "| k2 | loss | (0.511, 0.373, 0.115) | token-level reverse KL |" in report
     assert "| k1 | reward | (0.299, 0.541, 0.160) | sequence |" in report
-    # docs/kl.md's section 'Where each estimator converges' carries every line of it
+    # docs/kl.md's section 'Where each estimator converges' carries every line of it (at digits that are the
+    # same on every machine: test_report_digits_are_those_of_any_machine)
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "kl.md"), encoding="utf-8").read()
     section = docs[docs.index("## Where each estimator converges"):]
     assert [line for line in report.splitlines() if line not in section] == []
@@ -667,3 +673,11 @@ def test_advantage_report():
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "kl.md"), encoding="utf-8").read()
     section = docs[docs.index("## Where the advantage estimator moves the fixed point"):]
     assert [line for line in report.splitlines() if line not in section] == []
+@pytest.mark.parametrize("sign", [1, -1])
+def test_report_digits_are_those_of_any_machine(report, monkeypatch, sign):
+    """The report, docs/kl.md's tables, is the same to every printed digit for examples nudged by 1e-9 either
+    way (helpers.nudge says why that makes it the same on any CPU, BLAS and thread count)."""
+    example = fp.example
+    monkeypatch.setattr(fp, "example", lambda ex: {k: nudge(v, sign) for k, v in example(ex).items()})
+    assert fp.example(fp.BANDIT_EXAMPLE)["rewards"][1].item() != fp.BANDIT_EXAMPLE["rewards"][1]  # nudged
+    assert fp.fixed_point_report() == report

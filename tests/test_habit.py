@@ -38,7 +38,8 @@ def test_classify_one_step_problems_are_never_the_habit():
 
 def test_report_on_a_real_run_matches_the_trainers_own_evaluation(tmp_path, monkeypatch, capsys):
     """A 2-step run of a small embedded default (~10 s); each row of the report must give the accuracy the
-    trainer logged at that step (the trainer's evaluation and the report decode the same weights), and
+    trainer logged at that step (exactly: the trainer's evaluation and the report decode the same weights, the
+    32 problems in one batch of the same shape, in one process), and
     the two rows differ, so the checkpoint really was loaded."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = tmp_path / "run"

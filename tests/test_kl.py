@@ -377,6 +377,28 @@ def test_demo_prints_the_report(demo_output):
     assert k3_plus_row.split()[1:3] == ["1.00000", "0.000000"]
 
 
+@pytest.mark.parametrize("sign", [1, -1])
+def test_report_digits_are_those_of_any_machine(monkeypatch, sign):
+    """docs/kl.md quotes the report: it is the same to every printed digit for examples nudged by 1e-9 either
+    way (helpers.nudge says why that makes it the same on any machine), and no number that is 0 in exact
+    arithmetic prints the sign of its rounding error (k1's and k3's bias: +0.000000, never -0.000000)."""
+    from helpers import nudge
+
+    from rlhf.kl import theory
+
+    report, example, off_policy_example = theory.report(), theory.example, theory.off_policy_example
+    assert "-0.000000" not in report and "-0.000 " not in report
+    nudged = lambda name, dtype=torch.float64: (nudge(example(name, dtype)[0].exp(), sign).log(),
+                                                nudge(example(name, dtype)[1], sign))
+    monkeypatch.setattr(theory, "example", nudged)
+    monkeypatch.setattr(theory, "off_policy_example", lambda name, dtype=torch.float64: (
+        *nudged(theory.OFF_POLICY_EXAMPLES[name][0], dtype), nudge(off_policy_example(name, dtype)[2], sign)))
+    assert not torch.equal(theory.example("A")[1], example("A")[1])  # nudged
+    assert theory.report() == report
+    assert theory._unless_noise(-1e-17) == 0.0 and f"{theory._unless_noise(-1e-17):+.6f}" == "+0.000000"
+    assert theory._unless_noise(-1e-6) == -1e-6  # a real difference keeps its sign
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Off-policy: kl_penalty(..., old_logprob) on tokens sampled from pi_old, exact by enumeration (docs/kl.md,
 # 'Off-policy samples and importance correction', worked example C).

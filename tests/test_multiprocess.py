@@ -11,8 +11,13 @@ What must hold: the global batch is split across the ranks; metrics are reduced 
 0's share); evaluation covers the held-out set exactly once; only rank 0 writes files (each rank writes
 its own RNG state into a checkpoint, which resume needs; with FSDP each also writes its shards). The two
 runs must agree: losses and `kl/*` within a relative 1e-3 (measured: ~1e-4 at worst, from summing in a
-different order), scores, lengths and accuracies exactly. A sharded run resumed from its checkpoint must
-repeat the uninterrupted run.
+different order), scores, lengths and accuracies exactly. Exactly on any machine, not just this one: the
+scores and accuracies are the parity reward's (the answers alone), the lengths are greedy tokens, which float
+noise cannot flip while no greedy choice is near a tie (the smallest gap between the two largest logits is
+checked: 0.05, against logits that differ by ~1e-5); `critic/rewards/mean`, compared to 1e-6, carries the KL
+penalty, whose float noise (coefficient x KL x 1e-4) is far below that. A sharded run resumed from its
+checkpoint must repeat the uninterrupted run: bit for bit, since it is the same two processes' computation
+with the same shapes, on the same machine.
 
 To make the two runs see the same batch, sampling keeps only the most likely token (`rollout.top_k=1`:
 two processes draw from two RNG streams, so with sampling their tokens would differ), and one mini-batch
@@ -34,6 +39,7 @@ import torch
 from helpers import REPO, tiny_overrides
 
 import train
+from rlhf import rollout
 from rlhf.config import load_config
 from rlhf.rewards.gsm8k import extract_ground_truth
 from rlhf.tracking import read_metrics
@@ -52,6 +58,14 @@ import json, os, sys
 sys.path.insert(0, os.environ["REPO"])
 import train
 
+if os.environ.get("RESPONSES_DIR"):  # each rank's sampled response ids, one line per step
+    real_rollout = train.rollout
+    def rollout(*args, **kwargs):
+        batch = real_rollout(*args, **kwargs)
+        with open(os.path.join(os.environ["RESPONSES_DIR"], "responses_rank%s.jsonl" % os.environ["RANK"]), "a") as f:
+            f.write(json.dumps(batch["response_ids"].tolist()) + "\\n")
+        return batch
+    train.rollout = rollout
 changes = []
 def record(event, args):  # Python-level writes (torch.save's C++ writer is not seen)
     if event == "open" and isinstance(args[0], (str, os.PathLike)) and (
@@ -117,8 +131,37 @@ def rank_writes(tmp_path, output_dir) -> dict[int, list[str]]:
                    if p.startswith(str(output_dir))] for rank in (0, 1)}
 
 
-def one_process_run(output_dir, args) -> list[dict]:
+def record_greedy_margins(monkeypatch) -> list[float]:
+    """For every response token the run decodes (top_k=1 and greedy alike keep the largest logit), the gap
+    between the two largest logits, recorded into the list returned."""
+    gaps, steps = [], []
+    real_next_token, real_generate = rollout.next_token, train.generate
+
+    def next_token(logits, params, generator=None):
+        top = logits.float().topk(2, dim=-1).values
+        steps.append(top[:, 0] - top[:, 1])
+        return real_next_token(logits, params, generator)
+
+    def generate(*args, **kwargs):
+        steps.clear()
+        batch = real_generate(*args, **kwargs)
+        mask = batch["response_mask"].bool()  # (B, decoded steps): tokens after a response's end do not count
+        gaps.extend(gap for t, step in enumerate(steps) for gap in step[mask[:, t]].tolist())
+        return batch
+
+    monkeypatch.setattr(rollout, "next_token", next_token)
+    monkeypatch.setattr(train, "generate", generate)
+    return gaps
+
+
+def one_process_run(monkeypatch, output_dir, args) -> list[dict]:
+    """The one-process run, in this process. Its greedy choices must be far from ties: the two runs' logits
+    differ by float noise (other batch shapes, sums in another order, ~1e-5 after a few updates), and the
+    exact comparison of their tokens (response lengths) holds on any machine only if no choice is that close."""
+    gaps = record_greedy_margins(monkeypatch)
     train.main(load_config(None, args))
+    print(f"smallest greedy margin: {min(gaps):.2e} over {len(gaps)} tokens")
+    assert min(gaps) > 1e-3, f"a greedy choice is within {min(gaps):.1e} of a tie: its token is machine-dependent"
     return read_metrics(output_dir / "metrics.jsonl")
 
 
@@ -152,12 +195,12 @@ CASES = {"token-mean": ("token-mean",), "seq-mean-token-mean": ("seq-mean-token-
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_two_processes_agree_with_one(artifacts, tmp_path, case):
+def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, case):
     out2 = tmp_path / "two"
     result = launch(tmp_path, overrides(artifacts, out2, *CASES[case]))
     assert "processes: 2 (MULTI_CPU)" in result.stdout
     out1 = tmp_path / "one"
-    one = one_process_run(out1, overrides(artifacts, out1, *CASES[case]))
+    one = one_process_run(monkeypatch, out1, overrides(artifacts, out1, *CASES[case]))
     two = read_metrics(out2 / "metrics.jsonl")
     assert_agree(one, two, artifacts)
     if case == "grpo":
@@ -176,7 +219,7 @@ def test_two_processes_agree_with_one(artifacts, tmp_path, case):
     assert torch.get_num_threads() == 1  # the comparison ran single-threaded on both sides
 
 
-def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_path):
+def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_path, monkeypatch):
     """configs/accelerate/fsdp.yaml as a user launches it (2 processes, no mixed precision on the CPU): the
     actor and critic sharded, the reference whole, generation through the sharded actor."""
     fsdp = ("--config_file", os.path.join(REPO, "configs", "accelerate", "fsdp.yaml"))
@@ -188,7 +231,7 @@ def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_pat
     assert "processes: 2 (FSDP)" in result.stdout
     uninterrupted = read_metrics(out2 / "metrics.jsonl")
     out1 = tmp_path / "one"
-    assert_agree(one_process_run(out1, overrides(artifacts, out1, "token-mean")),
+    assert_agree(one_process_run(monkeypatch, out1, overrides(artifacts, out1, "token-mean")),
                  uninterrupted, artifacts)
 
     # The weights and optimizer states are sharded: one DCP file per rank for each model and optimizer.
@@ -206,9 +249,31 @@ def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_pat
     assert f"resumed from {out2}/checkpoints/step_2 at step 2" in result.stdout
     resumed = read_metrics(out2 / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(NUM_STEPS + 1))
+    # exact: step 3 computed again by the same two processes, same shapes, same thread count, same machine
     for key, value in uninterrupted[-1].items():
         if not key.startswith(("timing_s/", "perf/")):
             assert resumed[-1][key] == value, key
+
+
+def test_processes_sample_with_their_own_noise(artifacts, tmp_path, monkeypatch):
+    """rollout.paired_noise off (the default): each process draws its own sampling noise (rlhf.setup seeds
+    seed + process index). Every training prompt is the same one here, sampled at temperature 1, so processes
+    sharing their noise would sample the same responses, row for row; with their own noise no row agrees."""
+    with open(artifacts.train_file) as f:
+        row = f.readline()
+    same_prompt = tmp_path / "same_prompt.jsonl"
+    same_prompt.write_text(row * 16)
+    responses = tmp_path / "responses"
+    responses.mkdir()
+    monkeypatch.setenv("RESPONSES_DIR", str(responses))
+    out = tmp_path / "run"
+    launch(tmp_path, tiny_overrides(artifacts, out, f"data.train_files={same_prompt}", "rollout.temperature=1.0",
+                                    "trainer.total_steps=1", "trainer.logger=none", "data.max_val_samples=2"))
+    first, second = ([json.loads(line) for line in (responses / f"responses_rank{rank}.jsonl").read_text().splitlines()]
+                     for rank in (0, 1))
+    assert len(first) == len(second) == 1 and len(first[0]) == len(second[0]) == 4  # step 1: 4 responses each
+    assert len({tuple(r) for r in first[0]}) == 4  # one process's rows differ: the samples are not degenerate
+    assert not [i for i, (a, b) in enumerate(zip(first[0], second[0])) if a == b]
 
 
 LAUNCH_CONFIGS = {"one_gpu": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP"}

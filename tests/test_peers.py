@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from helpers import nudge
 
 from rlhf import kl_theory
 from rlhf.kl import peers
@@ -224,3 +225,15 @@ def test_an_unmodelled_advantage_raises():
     (nemo,) = [p for p in PEERS if p.correction == "unit"]
     with pytest.raises(ValueError, match="not modelled"):
         peers.peer_fixed_point(nemo, with_advantage=True)
+@pytest.mark.parametrize("sign", [1, -1])
+def test_report_digits_are_those_of_any_machine(monkeypatch, sign):
+    """peer_report(), which docs/kl.md holds verbatim, is the same to every printed digit (cosines to 4
+    decimals, norms to 2) for examples nudged by 1e-9 either way (helpers.nudge says why that makes it the same
+    on any machine)."""
+    report, example, off_policy_example = peer_report(), peers.example, peers.off_policy_example
+    nudged = lambda name: (nudge(example(name)[0].exp(), sign).log(), nudge(example(name)[1], sign))
+    monkeypatch.setattr(peers, "example", nudged)
+    monkeypatch.setattr(peers, "off_policy_example", lambda name: (
+        *nudged(kl_theory.OFF_POLICY_EXAMPLES[name][0]), nudge(off_policy_example(name)[2], sign)))
+    assert not torch.equal(peers.bandit()[0], example("A")[1])  # nudged
+    assert peer_report() == report

@@ -11,6 +11,7 @@ subprocesses alike, so the two agree to the bit.
 
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -22,12 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, assert_same_rows, tiny_overrides
+from helpers import REPO, assert_same_rows, tiny_overrides, tiny_qwen2
 
 import rlhf.setup
 import train
 from rlhf import core_algos
-from rlhf.checkpoint import latest_checkpoint, list_checkpoints
+from rlhf.checkpoint import latest_checkpoint, list_checkpoints, tied_weights_stored_once
 from rlhf.config import load_config
 from rlhf.tracking import read_metrics
 
@@ -270,3 +271,55 @@ def test_wandb_failures_leave_training_and_metrics_complete(artifacts, tmp_path,
     assert "critic/vf_loss" in rows[-1] and "val/accuracy" in rows[-1]
     ours = [str(w.message) for w in caught if w.filename.endswith(os.path.join("rlhf", "tracking.py"))]
     assert len(ours) == 1 and "No space left on device" in ours[0], ours
+
+
+def test_the_tied_embedding_is_saved_once_without_a_warning_and_resumed_tied(artifacts, tmp_path, monkeypatch,
+                                                                              capfd, caplog):
+    """The embedded model ties lm_head.weight to the input embedding. A checkpoint stores it once, without
+    accelerate's "Removed shared tensor" warning; after a resume lm_head.weight is the embedding itself (one
+    tensor, not a copy) and every weight is the saved one."""
+    actors, original = [], rlhf.setup.prepare_data_and_models
+
+    def spy(cfg, accelerator):
+        models = original(cfg, accelerator)
+        actors.append(models[3])
+        return models
+
+    monkeypatch.setattr(rlhf.setup, "prepare_data_and_models", spy)
+    out = str(tmp_path / "run")
+    with caplog.at_level(logging.WARNING):
+        run(artifacts, out, "trainer.total_steps=1")
+    printed = capfd.readouterr()
+    assert "Removed shared tensor" not in printed.out + printed.err + caplog.text
+    step_1 = os.path.join(out, "checkpoints", "step_1")
+    saved = load_file(os.path.join(step_1, "model.safetensors"))
+    assert "model.embed_tokens.weight" in saved and "lm_head.weight" not in saved  # stored once
+
+    run(artifacts, out, "trainer.total_steps=1", f"trainer.resume_from={step_1}")
+    resumed = actors[-1]
+    assert resumed.lm_head.weight is resumed.model.embed_tokens.weight
+    assert resumed.lm_head.weight.data_ptr() == resumed.model.embed_tokens.weight.data_ptr()
+    state = resumed.state_dict()
+    assert all(torch.equal(state[name], value) for name, value in saved.items())
+    initial = load_file(os.path.join(artifacts.model_dir, "model.safetensors"))["model.embed_tokens.weight"]
+    assert not torch.equal(saved["model.embed_tokens.weight"], initial)  # trained: the resume really loaded it
+
+
+def test_only_the_tied_embedding_warning_is_silenced(caplog):
+    """accelerate's safetensors save on a state dict with tied weights, and with a tensor that merely shares a
+    weight's storage (a view, which loading would not restore): the first is silent, the second still warns."""
+    from accelerate import PartialState
+    from accelerate.utils.other import clean_state_dict_for_safetensors
+
+    PartialState(cpu=True)  # accelerate's logger needs its state
+    model = tiny_qwen2(64, tie_word_embeddings=True)
+    with caplog.at_level(logging.WARNING), tied_weights_stored_once([model]):
+        cleaned = clean_state_dict_for_safetensors(model.state_dict())
+        assert "lm_head.weight" not in cleaned and caplog.text == ""
+        weight = model.model.embed_tokens.weight.detach()
+        clean_state_dict_for_safetensors({"model.embed_tokens.weight": weight, "first_row": weight[0]})
+    assert "Removed shared tensor {'first_row'}" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # outside the block accelerate's warning is back
+        clean_state_dict_for_safetensors(model.state_dict())
+    assert "Removed shared tensor {'lm_head.weight'}" in caplog.text

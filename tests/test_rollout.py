@@ -70,7 +70,7 @@ def test_greedy_decoding_equals_transformers_generate():
         theirs = theirs[:, prompt_ids.shape[1]:]
         mask = response_mask_from_ids(theirs, eos)
         expected = torch.nn.functional.pad(torch.where(mask.bool(), theirs, PAD), (0, 20 - theirs.shape[1]), value=PAD)
-        assert torch.equal(ours["response_ids"], expected)
+        assert torch.equal(ours["response_ids"], expected)  # argmax tokens: the same passes, the same shapes
         assert torch.equal(ours["response_mask"].sum(dim=1), mask.sum(dim=1))
         lengths[eos] = mask.sum(dim=1).tolist()
     # The cases cover: every row stopping (so the loop ends early), and some rows stopping while others run on.
@@ -194,7 +194,7 @@ def test_paired_noise_keeps_a_row_s_samples_where_the_policies_agree():
     changed[5] = (changed[5] + 7) % 62 + 2
     a, b = paired_sample(model, prompts), paired_sample(model, changed)
     keep = [i for i in range(8) if i != 5]
-    assert torch.equal(a[keep], b[keep])
+    assert torch.equal(a[keep], b[keep])  # exact: same shapes, and a row's logits never involve another row's
     assert not torch.equal(a[5], b[5])
 
 

@@ -95,6 +95,8 @@ def test_a_run_does_not_depend_on_whether_the_embedded_cache_existed(tmp_path, m
                                                     f"trainer.cache_dir={tmp_path / 'cache'}", "trainer.logger=none")))
         rows.append([{k: v for k, v in row.items() if not k.startswith(("timing_s", "perf"))}
                      for row in read_metrics(tmp_path / name / "metrics.jsonl")])
+    # exact: the same code on the same shapes in one process (the cache is built on one thread and the caller's
+    # thread count restored, so both runs train on the same number of threads)
     assert len(rows[0]) == 3 and rows[0] == rows[1]
 
 

@@ -495,8 +495,9 @@ def tv(p: torch.Tensor, q: torch.Tensor) -> float:
 
 
 def kl(p: torch.Tensor, q: torch.Tensor) -> float:
-    """KL(p || q) with 0 log 0 = 0."""
-    return torch.where(p > 0, p * (p.log() - q.log()), 0.0).sum().item()
+    """KL(p || q) with 0 log 0 = 0. Never negative: for p = q the sum is float noise of either sign (machine-
+    dependent), which would print as -0.000 on some machines."""
+    return max(torch.where(p > 0, p * (p.log() - q.log()), 0.0).sum().item(), 0.0)
 
 
 def predicted_bandit(ref_probs, rewards, beta: float, estimator: str, placement: str, probs: torch.Tensor):

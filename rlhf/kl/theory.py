@@ -18,6 +18,7 @@ kl_penalty of x, given old_logprob = log pi_old(x) if `corrected` (rho-weighted,
 import torch
 
 from rlhf.kl.estimators import PANEL_ESTIMATORS, kl_penalty, rho_in_graph
+from rlhf.kl.fixed_points import NOISE_BOUND
 
 # docs/kl.md's worked examples: (pi, ref) as probabilities over a 4-token vocabulary.
 EXAMPLES: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
@@ -134,6 +135,12 @@ def divergence_grad(divergence, logits: torch.Tensor, ref_probs: torch.Tensor) -
     return _grad(lambda leaf: divergence(leaf, ref_probs), logits)
 
 
+def _unless_noise(x: float) -> float:
+    """x, or 0.0 where |x| is float noise (< NOISE_BOUND): a bias that is 0 in exact arithmetic (k1's, k3's) is
+    computed as +-1e-16, whose sign depends on the machine and would print as -0.000000 on some."""
+    return 0.0 if abs(x) < NOISE_BOUND else x
+
+
 def _vec(x: torch.Tensor) -> str:
     return "(" + ", ".join(f"{v:+.6f}" for v in x.tolist()) + ")"
 
@@ -216,9 +223,8 @@ def report(names: tuple[str, ...] = ("A", "B"), off_policy: tuple[str, ...] = ("
         for est in PANEL_ESTIMATORS:
             mean = expected_value(est, logits, ref).item()
             std = estimator_std(est, logits, ref).item()
-            lines.append(
-                f"  {est:<10}{mean:10.6f}{mean - kl:+11.6f}{(mean - kl) / kl:+9.3f}{std:10.6f}{std / kl:8.3f}"
-            )
+            bias = _unless_noise(mean - kl)
+            lines.append(f"  {est:<10}{mean:10.6f}{bias:+11.6f}{bias / kl:+9.3f}{std:10.6f}{std / kl:8.3f}")
         lines += [
             "",
             "  expected gradient w.r.t. the policy logits, each as cos / max|err| against a target",
