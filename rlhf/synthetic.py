@@ -63,6 +63,9 @@ def check_config(cfg) -> None:
     if cfg.algorithm.use_kl_in_reward and cfg.actor.use_kl_loss:
         raise ValueError("the fixed points model one KL placement: set algorithm.use_kl_in_reward or "
                          "actor.use_kl_loss, not both")
+    if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_ctrl.type != "fixed":
+        raise ValueError("the fixed points are those of one coefficient: algorithm.kl_ctrl.type=fixed on a "
+                         "synthetic task")
     ac = cfg.actor
     if ac.use_kl_loss and ac.kl_loss_off_policy_correction and kl.canonical(ac.kl_loss_type) not in ("k1", "k3"):
         raise ValueError(f"the fixed points model actor.kl_loss_off_policy_correction for k1 and k3 (whose "

@@ -92,6 +92,9 @@ def test_config_checks_name_the_fix():
                             ("rollout.ignore_eos=false", "rollout.ignore_eos=true"),
                             ("data.val_files=embedded", "data.val_files=bandit"),
                             ("rollout.top_k=3", "rollout.top_k=0"),
-                            ("algorithm.use_kl_in_reward=true actor.use_kl_loss=true", "not both")):
+                            ("algorithm.use_kl_in_reward=true actor.use_kl_loss=true", "not both"),
+                            ("algorithm.use_kl_in_reward=true algorithm.kl_ctrl.type=adaptive", "kl_ctrl.type=fixed"),
+                            ("actor.use_kl_loss=true actor.kl_loss_off_policy_correction=true actor.kl_loss_type=k3+",
+                             "for k1 and k3")):
         with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
             load_config(None, base + change.split())
