@@ -25,14 +25,11 @@ from typing import Any
 
 import yaml
 
+from rlhf.errors import ConfigError  # noqa: F401  (raised here, and imported from here by the rest)
+
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # model.dtype, model.ref_dtype; the torch dtypes of the same names
 LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")  # actor/critic.lr_scheduler_type (rlhf.setup.lr_factor)
-SYNTHETIC_TASKS = ("bandit", "tree")  # model.path values that build a synthetic task (rlhf/synthetic.py)
-
-
-class ConfigError(ValueError):
-    """A bad config: the message names the key, the bad value and what would be valid."""
 
 
 @dataclass
@@ -371,6 +368,7 @@ def _divides(small_key: str, small: int, big_key: str, big: int) -> None:
 def validate(cfg: Config, num_processes: int = 1) -> None:
     """Check values (not just types). Raises ConfigError before anything expensive happens."""
     from rlhf import core_algos, kl  # local import: keeps `rlhf.config` importable on its own
+    from rlhf.synthetic import TASKS as SYNTHETIC_TASKS, check_config as check_synthetic
 
     def checked(key: str, fn, *args, **kwargs):
         try:
@@ -446,9 +444,7 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
     if t.resume_from not in (None, "auto") and not os.path.isdir(t.resume_from):
         raise ConfigError(f"trainer.resume_from={t.resume_from!r} is not a directory (use a checkpoint dir or 'auto').")
     if m.path in SYNTHETIC_TASKS or d.train_files in SYNTHETIC_TASKS:
-        from rlhf.synthetic import check_config
-
-        checked("model.path", check_config, cfg)
+        checked("model.path", check_synthetic, cfg)
     for key, source in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         if source not in ("embedded", *SYNTHETIC_TASKS) and _looks_like_path(source):
             from rlhf.data import check_data_file

@@ -28,10 +28,13 @@ import shutil
 
 import torch
 
-from rlhf.config import SYNTHETIC_TASKS as TASKS, SyntheticConfig
 from rlhf import kl
 from rlhf.kl import fixed_points as fp
 
+# `cfg` below is the config's `synthetic` section, an rlhf.config.SyntheticConfig. Not imported: rlhf.config's
+# validation calls check_config, and the import would tie the two into a circle.
+
+TASKS = ("bandit", "tree")  # model.path (and data.*_files) values that build a synthetic task
 PROMPT_TOKEN = "<s>"
 _CACHE_VERSION = 1
 
@@ -79,7 +82,7 @@ def check_config(cfg) -> None:
 # ----------------------------------------------------------------------------- the task's tables
 
 
-def num_tokens(task: str, cfg: SyntheticConfig) -> int:
+def num_tokens(task: str, cfg) -> int:
     """V, the vocabulary: the prompt token and the arms (synthetic.num_arms for the bandit; the tree has the
     three of docs/kl.md's example)."""
     return 1 + (cfg.num_arms if task == "bandit" else len(fp.TREE_EXAMPLE["ref_first"]))
@@ -92,7 +95,7 @@ def _anti_sorted(logits: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def reward_table(task: str, cfg: SyntheticConfig) -> torch.Tensor:
+def reward_table(task: str, cfg) -> torch.Tensor:
     """r (V,) for the bandit, R (V, V) for the tree, float64.
 
     bandit: uniform on [0, 1] from `cfg.seed`, rounded to 2 decimals (readable in theory.json); with
@@ -109,7 +112,7 @@ def reward_table(task: str, cfg: SyntheticConfig) -> torch.Tensor:
     return table
 
 
-def target_reference(task: str, cfg: SyntheticConfig) -> torch.Tensor:
+def target_reference(task: str, cfg) -> torch.Tensor:
     """The distributions the reference model is fitted to, float64: (1, V) for the bandit, for the tree the
     first token's then the second token's after each first token, (V + 1, V).
 
@@ -151,7 +154,7 @@ def load_tokenizer(model_dir: str):
     return PreTrainedTokenizerFast.from_pretrained(model_dir, padding_side="left")
 
 
-def build_model(cfg: SyntheticConfig, vocab_size: int):
+def build_model(cfg, vocab_size: int):
     """A tiny randomly initialised Qwen2ForCausalLM (untied embeddings, so the output layer is free)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -204,13 +207,13 @@ def fit_reference(model, task: str, target: torch.Tensor, steps: int, lr: float)
 # ----------------------------------------------------------------------------- the cached entry point
 
 
-def cache_entry(cache_dir: str, task: str, cfg: SyntheticConfig) -> str:
+def cache_entry(cache_dir: str, task: str, cfg) -> str:
     """`cache_dir/<task>-<hash of cfg>`: the task's model directory lives in it."""
     payload = json.dumps({"version": _CACHE_VERSION, "task": task, **dataclasses.asdict(cfg)}, sort_keys=True)
     return os.path.join(cache_dir, f"{task}-{hashlib.sha256(payload.encode()).hexdigest()[:12]}")
 
 
-def prepare_synthetic(cache_dir: str, task: str, cfg: SyntheticConfig, log=print) -> str:
+def prepare_synthetic(cache_dir: str, task: str, cfg, log=print) -> str:
     """Build (or reuse) the task's tokenizer and fitted reference model; returns the model directory (a
     save_pretrained directory, loadable by path). Deterministic by cfg.seed; written atomically."""
     if task not in TASKS:
@@ -246,7 +249,7 @@ def prepare_synthetic(cache_dir: str, task: str, cfg: SyntheticConfig, log=print
     return model_dir
 
 
-def build_datasets(task: str, cfg: SyntheticConfig, tokenizer):
+def build_datasets(task: str, cfg, tokenizer):
     """(train, val) Datasets: `cfg.num_prompts` copies of the one prompt (`<s>`) for training, one for
     evaluation, each row with `input_ids`, `ground_truth` (unused, empty) and `rewards` (the table, nested
     lists), which the reward function receives as a field."""

@@ -91,9 +91,9 @@ class RewardFn:
 def prompt_fields(cfg) -> tuple[str, ...]:
     """The columns the prompt rows of `cfg`'s data carry besides input_ids: PROMPT_FIELDS, and a synthetic
     task's reward table (`rewards`, rlhf.synthetic.build_datasets)."""
-    from rlhf.config import SYNTHETIC_TASKS
+    from rlhf.synthetic import TASKS
 
-    return (*PROMPT_FIELDS, "rewards") if cfg.model.path in SYNTHETIC_TASKS else PROMPT_FIELDS
+    return (*PROMPT_FIELDS, "rewards") if cfg.model.path in TASKS else PROMPT_FIELDS
 
 
 def load_reward(cfg) -> RewardFn:
@@ -119,7 +119,7 @@ def import_reward(name: str) -> Callable:
     """The callable `module:attribute` names (the attribute may be dotted: `module:Class.method`). Raises
     ConfigError saying what was expected, for a name without a colon, a module that does not import, a missing
     attribute or one that is not callable."""
-    from rlhf.config import ConfigError
+    from rlhf.errors import ConfigError
 
     where = f"config key 'reward.function' got {name!r}"
     module_name, sep, attribute = name.partition(":")
@@ -150,7 +150,7 @@ def check_signature(fn: Callable, name: str, fields: dict | Sequence[str], kwarg
     """Refuse `fn` if it cannot be called with the keyword arguments prompts, completions, completion_ids, each
     of `fields` and `kwargs` (ConfigError, or `error`). Functions without a signature pass."""
     if error is None:
-        from rlhf.config import ConfigError as error
+        from rlhf.errors import ConfigError as error
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have none
