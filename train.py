@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from rlhf import core_algos, evaluation, kl, ppo, rewards
 from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_steps_message, check_resumable,
                              latest_checkpoint, save_checkpoint)
-from rlhf.compare.labels import kl_tags
+from rlhf.labels import kl_tags
 from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
 from rlhf.landing import start_landing
 from rlhf.processes import (eval_batches, mean_over_processes, process_share, stop_rule, sum_over_processes,

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from rlhf import compare
-from rlhf.compare.labels import kl_tags, run_label
+from rlhf.labels import kl_tags, run_label
 from rlhf.config import Config, ConfigError, from_dict, load_config, to_dict
 from rlhf.config import EmbeddedConfig
 

@@ -28,7 +28,7 @@ from rlhf.compare.figure import mean_curve, paired_curve, plot_report
 from rlhf.compare.grid import (DEFAULT_CONFIG, DEFAULT_GRID, GRIDS, GRPO_GRID, PAIRED_NOISE, REGIMES, Arm, Grid,
                                Regime, grid_jobs, job_env, last_step, run_dir, run_grid, run_key, run_overrides,
                                seed_list, shared_overrides, warm_start_cached)
-from rlhf.compare.labels import PLACEMENTS, kl_overrides, kl_tags, legend_name, parse_kl_tag, run_label
+from rlhf.labels import PLACEMENTS, kl_overrides, kl_tags, legend_name, parse_kl_tag, run_label
 from rlhf.compare.report import OUTCOMES, REPORT_NAME, difference_cell, interval_cell, report_table, write_report
 from rlhf.compare.runs import Group, Run, duplicate_seeds, group_runs, load_runs
 from rlhf.compare.stats import (MAX_SEEDS_ESTIMATE, T95, Estimate, excludes_zero, paired_differences, seeds_needed,

@@ -13,7 +13,7 @@ import math
 import textwrap
 
 from rlhf.compare.claims import FORWARD, LAST_STEPS, REFERENCE, REVERSE, Claim
-from rlhf.compare.labels import legend_name
+from rlhf.labels import legend_name
 from rlhf.compare.runs import Group, Run
 from rlhf.compare.stats import Estimate
 from rlhf.kl import PANEL_ESTIMATORS, canonical

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from rlhf.compare.labels import kl_overrides, parse_kl_tag, run_label
+from rlhf.labels import kl_overrides, parse_kl_tag, run_label
 from rlhf.config import load_config
 from rlhf.embedded import cache_entry
 from rlhf.tracking import read_metrics

@@ -15,7 +15,7 @@ import os
 
 from rlhf.compare.claims import FORWARD, LAST_STEPS, REFERENCE, REVERSE, claims, claims_table, late, unresolved
 from rlhf.compare.figure import plot_report
-from rlhf.compare.labels import legend_name
+from rlhf.labels import legend_name
 from rlhf.compare.runs import Group, Run, duplicate_seeds, group_runs, load_runs
 from rlhf.compare.stats import Estimate, excludes_zero, paired_differences
 from rlhf.kl import PANEL_ESTIMATORS
