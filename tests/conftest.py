@@ -25,8 +25,8 @@ def one_thread():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: minutes-long tests on a real model; run only when selected "
-                                       "with -m (python -m pytest -q -m slow)")
+    config.addinivalue_line("markers", "slow: tests of 15 s and more (a real model, the notebook's kernel, FSDP "
+                                       "launches); run only when selected with -m (python -m pytest -q -m slow)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -194,7 +194,10 @@ CASES = {"token-mean": ("token-mean",), "seq-mean-token-mean": ("seq-mean-token-
          "grpo": ("token-mean", "algorithm.adv_estimator=grpo", "rollout.n=2")}
 
 
-@pytest.mark.parametrize("case", CASES)
+# seq-mean-token-mean is slow (python -m pytest -q -m slow): token-mean and grpo keep the default run's time down;
+# the aggregations themselves are pinned in one process by tests/test_core_algos.py and tests/test_ppo.py.
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case == "seq-mean-token-mean"
+                                  else case for case in CASES])
 def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, case):
     out2 = tmp_path / "two"
     result = launch(tmp_path, overrides(artifacts, out2, *CASES[case]))
@@ -219,6 +222,7 @@ def test_two_processes_agree_with_one(artifacts, tmp_path, monkeypatch, case):
     assert torch.get_num_threads() == 1  # the comparison ran single-threaded on both sides
 
 
+@pytest.mark.slow  # ~25 s: two launches of two processes; python -m pytest -q -m slow
 def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_path, monkeypatch):
     """configs/accelerate/fsdp.yaml as a user launches it (2 processes, no mixed precision on the CPU): the
     actor and critic sharded, the reference whole, generation through the sharded actor."""

@@ -6,6 +6,7 @@ import os
 import time
 
 import nbformat
+import pytest
 from ipykernel.kernelspec import write_kernel_spec
 from nbclient import NotebookClient
 
@@ -30,6 +31,7 @@ def test_notebook_imports_rlhf_instead_of_copying_it():
     assert "def kl_penalty" not in source and "def expected_loss_grad" not in source
 
 
+@pytest.mark.slow  # ~45 s: a kernel and three train.py runs; python -m pytest -q -m slow
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     """Every cell, in order, through a python3 kernel of this interpreter; section 3 in its small CI setting."""
     # A kernelspec for this very interpreter, found first via JUPYTER_PATH (no `ipykernel install` needed).
