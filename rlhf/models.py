@@ -11,6 +11,10 @@ The critic is the causal LM's backbone with a one-output token-classification he
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
@@ -49,11 +53,36 @@ def load_critic(path_or_name: str, dtype: str | torch.dtype = "float32"):
     """
     config = AutoConfig.from_pretrained(path_or_name, num_labels=1)
     config.classifier_dropout = 0.0
-    critic = AutoModelForTokenClassification.from_pretrained(path_or_name, config=config, dtype=resolve_dtype(dtype))
-    head = critic.score if hasattr(critic, "score") else critic.classifier
+    with _quiet_load_report():
+        critic, info = AutoModelForTokenClassification.from_pretrained(
+            path_or_name, config=config, dtype=resolve_dtype(dtype), output_loading_info=True)
+    head_name = "score" if hasattr(critic, "score") else "classifier"
+    head = getattr(critic, head_name)
+    # A causal-LM checkpoint has an LM head the value model does not use and no value head (made here): that is
+    # what transformers' load report lists at every start. Anything else is worth a warning.
+    missing = [k for k in info["missing_keys"] if k.split(".")[0] != head_name]
+    unused = [k for k in info["unexpected_keys"] if not k.startswith("lm_head.")]
+    if missing or unused:
+        warnings.warn(f"critic from {path_or_name}: weights newly initialised {missing or 'none'}, checkpoint "
+                      f"weights not used {unused or 'none'} (expected: only the value head new, only lm_head "
+                      "unused)", stacklevel=2)
     with torch.no_grad():
         head.weight.zero_()
         if head.bias is not None:
             head.bias.zero_()
     return critic
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """Hold back transformers' report of missing and unused weights (a warning of transformers.modeling_utils)
+    while a critic loads from a causal-LM checkpoint: load_critic checks the same lists itself and warns only
+    when they hold more than the LM head and the value head."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    drop = logging.Filter("nothing")  # a filter with a name no logger has: every record is dropped
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 

@@ -163,3 +163,27 @@ def test_the_landing_report_reads_its_verdicts_off_the_runs(tmp_path):
     assert "margin 0.202, sd over seeds 0.0010: 202x its spread (met" in crossover[0]
     assert "margin 0.178, sd over seeds 0.0110: 16x its spread (met" in crossover[1]
     assert "Cells that did not land: rloo loss:k3+." in report
+
+
+def test_the_tree_report_sets_the_cells_that_did_not_land_against_the_plain_gradient_path():
+    """plain_flow_rows: a cell at the plain path's end (GAE with k2 in the loss, which ends on the corner (1, 2),
+    tests/test_fixed_points.py) is at it, one elsewhere is not; a landed cell has no row, grpo no path."""
+    from rlhf.compare.landing import Cell, plain_flow_rows
+
+    ex = fp.example(fp.TREE_EXAMPLE)
+    ref = ex["ref_first"][:, None] * ex["ref_second"]
+    corner = torch.zeros(3, 3, dtype=torch.float64)
+    corner[1, 2] = 1.0
+
+    def record(policy, tv_fp):
+        return {"ref": ref.tolist(), "rewards": ex["rewards"].tolist(), "beta": ex["beta"], "policy": policy.tolist(),
+                "metrics": {"theory/tv_to_fixed_point": tv_fp}}
+
+    cells = [Cell("gae", "loss:k2", {1: record(corner, 0.9), 2: record(corner, 0.9)}),
+             Cell("gae", "loss:k3+", {1: record(ref, 0.5), 2: record(ref, 0.5)}),
+             Cell("rloo", "loss:k2", {1: record(ref, 0.01), 2: record(ref, 0.02)}),
+             Cell("grpo", "loss:k2", {1: record(ref, 0.9)})]
+    rows = {" | ".join(line.split(" | ")[:2]): line for line in plain_flow_rows(cells)[2:]}
+    assert rows["| gae | loss:k2"].endswith("| yes |")
+    assert rows["| gae | loss:k3+"].endswith("| **no** |")  # k3+ has k2's gradient: the same end, far from ref
+    assert "| rloo | loss:k2" not in rows and "not computed" in rows["| grpo | loss:k2"]

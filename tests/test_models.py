@@ -1,5 +1,8 @@
 """Policy, critic and tokenizer loading by local path (the same code path as a hub name)."""
 
+import logging
+import warnings
+
 import pytest
 import torch
 
@@ -45,6 +48,36 @@ def test_critic_shares_the_backbone_and_starts_at_zero(model_dir):
     values = response_values(critic, batch)
     assert values.shape == batch["response_ids"].shape and values.dtype == torch.float32
     assert torch.count_nonzero(values) == 0
+
+
+def test_a_critic_from_a_causal_lm_loads_without_the_load_report_unless_more_is_off(model_dir, tmp_path):
+    """The value head is new and the LM head unused, at every start of a run with a critic: transformers' load
+    report lists exactly those, so load_critic holds it back; a checkpoint missing a backbone weight is warned
+    about, by name."""
+    torch.manual_seed(0)
+    untied = build_model(CFG, load_tokenizer(model_dir))
+    untied.config.tie_word_embeddings = False  # a separate lm_head.weight in the checkpoint, as Qwen2.5-1.5B+
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    untied.save_pretrained(tmp_path / "untied")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append  # what reaches transformers' own handlers (which hold their own stderr)
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addHandler(handler)
+    try:
+        for path in (model_dir, tmp_path / "untied"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # nothing to warn about
+                load_critic(str(path))
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+
+    state = {k: v for k, v in untied.state_dict().items() if k != "model.norm.weight"}
+    broken = tmp_path / "broken"
+    untied.save_pretrained(broken, state_dict=state)
+    with pytest.warns(UserWarning, match=r"weights newly initialised \['model.norm.weight'\]"):
+        load_critic(str(broken))
 
 
 def test_response_values_are_the_critic_at_each_response_state_without_dropout_or_padding_effects(model_dir):

@@ -233,6 +233,44 @@ def crossover(cells: list[Cell], variant: str = "rloo") -> list[str]:
     return lines
 
 
+# The advantage model tree_plain_flow follows for each variant's runs (grpo's groups of 8 are not enumerated
+# along a path of thousands of steps: the solver's own grpo run on the tree already costs ~35 s).
+PLAIN_FLOW_MODELS = {"rloo": "exact", "gae": "gae"}
+
+
+def plain_flow_rows(cells: list[Cell]) -> list[str]:
+    """For each tree cell that did not land: where rlhf.kl.fixed_points.tree_plain_flow (plain gradient ascent on
+    tabular logits, from the same pi_ref) ends, and each seed's final TV to that point (mean ± 95%, max). A
+    cell is at that point when every seed is within LANDED of it."""
+    import torch
+
+    from rlhf.kl import fixed_points as fp
+
+    rows = ["| advantage | run | TV to its fixed point | TV to the plain path's end | max | at the plain path's end |",
+            "|---|---|---|---|---|---|"]
+    for cell in cells:
+        own = cell.estimate("fixed_point")
+        if max(own.values) <= LANDED:
+            continue
+        if cell.variant not in PLAIN_FLOW_MODELS:
+            rows.append(f"| {cell.variant} | {cell.arm} | {_fmt(own)} | not computed | | |")
+            continue
+        arm = Arm.parse(cell.arm)
+        # the corrected loss has the on-policy gradient of k2 in the loss (rlhf.landing.run_kl)
+        estimator, placement = ("k2", "loss") if arm.placement == "loss-corrected" else (arm.estimator, arm.placement)
+        first_record = next(iter(cell.records.values()))
+        ref, rewards = (torch.tensor(first_record[k], dtype=torch.float64) for k in ("ref", "rewards"))
+        first = ref.sum(-1)  # pi_ref is the reference model's: the same for every seed of a cell
+        f, s = fp.tree_plain_flow(first, ref / first[:, None], rewards, first_record["beta"], estimator, placement,
+                                  advantage=PLAIN_FLOW_MODELS[cell.variant])
+        end = f[:, None] * s
+        tvs = Estimate(tuple(fp.tv(torch.tensor(cell.records[seed]["policy"], dtype=torch.float64), end)
+                             for seed in sorted(cell.records)))
+        at = "yes" if max(tvs.values) <= LANDED else "**no**"
+        rows.append(f"| {cell.variant} | {cell.arm} | {_fmt(own)} | {_fmt(tvs)} | {max(tvs.values):.3f} | {at} |")
+    return rows
+
+
 def landing_report(output_dir: str, seeds: list[int], task: str, runs=LANDING_GRID) -> str:
     """Write <output_dir>/landing.md (the table, the crossover, the cells that did not land) and, with
     matplotlib, <output_dir>/landing.png (TV to the fixed point against steps); returns the markdown."""
@@ -246,6 +284,11 @@ def landing_report(output_dir: str, seeds: list[int], task: str, runs=LANDING_GR
     if task == "bandit":
         lines += ["The crossover:", "", *crossover(cells), ""]
     lines += [f"Cells that did not land: {', '.join(missed) if missed else 'none'}."]
+    if task == "tree" and missed:
+        lines += ["", "Where there are several stable points, the path decides. The cells that did not land, against "
+                  "where plain gradient ascent on tabular logits ends from the same pi_ref (rlhf.kl.fixed_points."
+                  "tree_plain_flow; the solver's natural gradient moves every prefix at full speed, the plain "
+                  "gradient each prefix by how often it is visited):", "", *plain_flow_rows(cells)]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(output_dir, "landing.md"), "w", encoding="utf-8") as f:
         f.write(text)

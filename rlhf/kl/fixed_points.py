@@ -309,6 +309,34 @@ def tree_fixed_point_for_config(
                             n=model.n)
 
 
+
+def tree_plain_flow(
+    ref_first: torch.Tensor, ref_second: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str,
+    placement: str, *, advantage: str = "exact", n: int | None = None, lr: float = 0.2, steps: int = 5_000,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first (A,), second (A, A)) after `steps` steps of plain gradient ascent from pi_ref on tabular logits:
+    z += lr * (the expected gradient), the first token's pi(a) (A(a) - E A), the second's pi(a) pi(b | a)
+    (A(a, b) - E A(a, .)), each A = base - beta p of tree_fixed_point's advantage model.
+
+    It has tree_fixed_point's fixed points but not its path: a state's conditional moves with the share pi(a)
+    of the samples that visit it (the natural gradient moves every state at full speed), so a prefix the policy
+    leaves early keeps its reference conditional, and a setting with several stable points may reach another
+    of them. A plain-gradient path approaches a corner at 1/t, so this is a point after a finite time, never
+    converged there; docs/results.md ('The tree') compares it with the trainer's end points.
+    """
+    _check(ref_first, beta, estimator, placement)
+    _check(ref_second, beta, estimator, placement)
+    model = _model(advantage, n)
+    z1, z2 = ref_first.log().clamp_min(-_FLOOR), ref_second.log().clamp_min(-_FLOOR)
+    for _ in range(steps):
+        (base1, p1), (base2, p2) = _tree_advantages(model, z1, z2, ref_first, ref_second, rewards, beta, estimator,
+                                                    placement)
+        first, second = torch.softmax(z1, -1), torch.softmax(z2, -1)
+        a1, a2 = base1 - beta * p1, base2 - beta * p2
+        z1 = z1 + lr * first * (a1 - (first * a1).sum())
+        z2 = z2 + lr * first[:, None] * second * (a2 - (second * a2).sum(-1, keepdim=True))
+    return torch.softmax(z1, -1), torch.softmax(z2, -1)
+
 # ----------------------------------------------------------------------------------------------------------
 # The analytic optima (docs/kl.md, 'Where each estimator converges'), over the last dim, rows independent.
 
