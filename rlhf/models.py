@@ -73,16 +73,25 @@ def load_critic(path_or_name: str, dtype: str | torch.dtype = "float32"):
     return critic
 
 
+# How transformers words its report of missing and unused weights: one table in 5.x, two sentences in 4.x.
+_LOAD_REPORT = ("LOAD REPORT", "were not initialized from the model checkpoint", "were not used when initializing")
+
+
+class _LoadReportFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(words in message for words in _LOAD_REPORT)
+
+
 @contextlib.contextmanager
 def _quiet_load_report():
     """Hold back transformers' report of missing and unused weights (a warning of transformers.modeling_utils)
     while a critic loads from a causal-LM checkpoint: load_critic checks the same lists itself and warns only
-    when they hold more than the LM head and the value head."""
+    when they hold more than the LM head and the value head. Any other message still gets through."""
     logger = logging.getLogger("transformers.modeling_utils")
-    drop = logging.Filter("nothing")  # a filter with a name no logger has: every record is dropped
-    logger.addFilter(drop)
+    report = _LoadReportFilter()
+    logger.addFilter(report)
     try:
         yield
     finally:
-        logger.removeFilter(drop)
-
+        logger.removeFilter(report)

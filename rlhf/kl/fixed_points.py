@@ -309,7 +309,6 @@ def tree_fixed_point_for_config(
                             n=model.n)
 
 
-
 def tree_plain_flow(
     ref_first: torch.Tensor, ref_second: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str,
     placement: str, *, advantage: str = "exact", n: int | None = None, lr: float = 0.2, steps: int = 5_000,
@@ -336,6 +335,7 @@ def tree_plain_flow(
         z1 = z1 + lr * first * (a1 - (first * a1).sum())
         z2 = z2 + lr * first[:, None] * second * (a2 - (second * a2).sum(-1, keepdim=True))
     return torch.softmax(z1, -1), torch.softmax(z2, -1)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # The analytic optima (docs/kl.md, 'Where each estimator converges'), over the last dim, rows independent.
