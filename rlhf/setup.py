@@ -153,8 +153,12 @@ def enable_gradient_checkpointing(model) -> None:
     in eval mode (no dropout: old and new log-probs must come from the same function), where
     `gradient_checkpointing_enable()` alone does nothing. So the checkpointed layers' own flag is set: it is
     what decides the checkpointing, while every module inside them (attention, MLP, dropout) stays in eval
-    mode. (A layer whose own forward applied dropout would start dropping out; Qwen2's does not.)"""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mode. (A layer whose own forward applied dropout would start dropping out; Qwen2's does not.)
+    transformers 5.24 renamed the switch to `activation_checkpointing_enable` (the old name goes in v6)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
             module.training = True

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 import recipe_memory  # noqa: E402
 
 from rlhf.config import load_config  # noqa: E402
+from rlhf.rollout import kv_cache_name  # noqa: E402
 
 
 def test_parameter_counts_are_the_models():
@@ -35,7 +36,7 @@ def test_kv_cache_formula_is_the_cache_size():
     model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).eval()
     cache = DynamicCache()
     with torch.no_grad():
-        model(torch.ones(5, 10, dtype=torch.long), past_key_values=cache, use_cache=True)
+        model(torch.ones(5, 10, dtype=torch.long), **{kv_cache_name(model): cache}, use_cache=True)
     cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert recipe_memory.memory(cfg, shape=shape)["KV cache (sampling)"] * 2**30 == cache_bytes
 
