@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -51,6 +52,9 @@ def run(artifacts, output_dir, *extra) -> list[dict]:
 def spawn(artifacts, output_dir, *extra) -> subprocess.Popen:
     """`python train.py ...` in the background, single-threaded."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    # Its own wandb service, as a user's run has: wandb started in this process (an earlier test) exports
+    # WANDB_SERVICE, and a child attached to that service would leave its run registered there when killed.
+    env.pop("WANDB_SERVICE", None)
     return subprocess.Popen([sys.executable, "train.py", *overrides(artifacts, output_dir, *extra)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -108,7 +112,10 @@ def test_sigkill_then_resume_auto_matches_and_continues_the_wandb_run(artifacts,
     killed_at = latest_checkpoint(out)
     assert killed_at is not None and not killed_at.endswith(f"step_{NUM_STEPS}"), killed_at
 
-    rows = run(artifacts, out, "trainer.logger=wandb", "trainer.resume_from=auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = run(artifacts, out, "trainer.logger=wandb", "trainer.resume_from=auto")
+    assert not [str(w.message) for w in caught if "wandb could not start" in str(w.message)]  # it did log to wandb
     assert_same_rows(rows, reference[1])
     runs = [name for name in os.listdir(os.path.join(out, "wandb")) if name.startswith("offline-run-")]
     assert len(runs) == 2 and len({name.rsplit("-", 1)[1] for name in runs}) == 1, runs  # one run id, two parts
