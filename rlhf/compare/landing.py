@@ -233,8 +233,8 @@ def crossover(cells: list[Cell], variant: str = "rloo") -> list[str]:
     return lines
 
 
-# The advantage model tree_plain_flow follows for each variant's runs. Not grpo: each of its steps would sum over
-# every group of 8 of the tree's responses (0.8 s a step on a CPU), for thousands of steps.
+# The advantage model tree_plain_flow follows for each variant's runs. Not grpo: each of its steps sums over every
+# group of 8 of the tree's responses, ~2 minutes a cell on a CPU (docs/results.md has the command for one).
 PLAIN_FLOW_MODELS = {"rloo": "exact", "gae": "gae"}
 
 
