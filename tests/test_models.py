@@ -56,7 +56,7 @@ def test_a_critic_from_a_causal_lm_loads_without_the_load_report_unless_more_is_
     about, by name."""
     torch.manual_seed(0)
     untied = build_model(CFG, load_tokenizer(model_dir))
-    untied.config.tie_word_embeddings = False  # a separate lm_head.weight in the checkpoint, as Qwen2.5-1.5B+
+    untied.config.tie_word_embeddings = False  # a separate lm_head.weight in the checkpoint, as Qwen2.5-7B's
     untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
     untied.save_pretrained(tmp_path / "untied")
     records = []
