@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from rlhf.config import Config, ConfigError
+from rlhf.tracking import log_filter
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -143,13 +144,9 @@ def tied_weights_stored_once(models):
     checkpoint. That is harmless here: the tie is one nn.Parameter of the model object, so loading the kept
     name fills both (tests/test_reliability.py: after a resume `lm_head.weight` is the embedding, with the
     saved values). The filter matches only that message and only those names."""
-    logger = logging.getLogger("accelerate.utils.other")  # where clean_state_dict_for_safetensors logs
-    quiet = _TiedWeightsFilter(tied_parameter_names(models))
-    logger.addFilter(quiet)
-    try:
+    # accelerate.utils.other: where clean_state_dict_for_safetensors logs
+    with log_filter("accelerate.utils.other", _TiedWeightsFilter(tied_parameter_names(models))):
         yield
-    finally:
-        logger.removeFilter(quiet)
 
 
 def check_resumable(path: str, adv_estimator: str) -> None:

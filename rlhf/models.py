@@ -11,7 +11,6 @@ The critic is the causal LM's backbone with a one-output token-classification he
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 
@@ -19,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from rlhf.config import DTYPE_NAMES
+from rlhf.tracking import log_filter
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -53,7 +53,7 @@ def load_critic(path_or_name: str, dtype: str | torch.dtype = "float32"):
     """
     config = AutoConfig.from_pretrained(path_or_name, num_labels=1)
     config.classifier_dropout = 0.0
-    with _quiet_load_report():
+    with log_filter("transformers.modeling_utils", _LoadReportFilter()):  # its load report, checked below
         critic, info = AutoModelForTokenClassification.from_pretrained(
             path_or_name, config=config, dtype=resolve_dtype(dtype), output_loading_info=True)
     head_name = "score" if hasattr(critic, "score") else "classifier"
@@ -78,20 +78,10 @@ _LOAD_REPORT = ("LOAD REPORT", "were not initialized from the model checkpoint",
 
 
 class _LoadReportFilter(logging.Filter):
+    """Holds back transformers' report of missing and unused weights (a warning of transformers.modeling_utils)
+    while a critic loads from a causal-LM checkpoint: load_critic checks the same lists itself and warns only
+    when they hold more than the LM head and the value head. Any other message still gets through."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         return not any(words in message for words in _LOAD_REPORT)
-
-
-@contextlib.contextmanager
-def _quiet_load_report():
-    """Hold back transformers' report of missing and unused weights (a warning of transformers.modeling_utils)
-    while a critic loads from a causal-LM checkpoint: load_critic checks the same lists itself and warns only
-    when they hold more than the LM head and the value head. Any other message still gets through."""
-    logger = logging.getLogger("transformers.modeling_utils")
-    report = _LoadReportFilter()
-    logger.addFilter(report)
-    try:
-        yield
-    finally:
-        logger.removeFilter(report)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import netrc
 import os
@@ -40,6 +41,18 @@ def wandb_available() -> bool:
 def choose_wandb_mode() -> str:
     """Honour WANDB_MODE; otherwise online with credentials and offline without (never prompt)."""
     return os.environ.get("WANDB_MODE") or ("online" if has_wandb_credentials() else "offline")
+
+
+@contextlib.contextmanager
+def log_filter(logger_name: str, record_filter: logging.Filter):
+    """Within the block, `record_filter` decides which records of the logger `logger_name` get through (a
+    library's warning we have checked ourselves; rlhf.models, rlhf.checkpoint)."""
+    logger = logging.getLogger(logger_name)
+    logger.addFilter(record_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(record_filter)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
