@@ -82,6 +82,34 @@ def start_landing(cfg, accelerator, run) -> "Landing | None":
     return Landing.for_run(cfg, actor, table)
 
 
+def fixed_point(task: str, ref: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str | None,
+                placement: str | None, advantage: str, n: int | None, start: torch.Tensor | None = None) -> torch.Tensor:
+    """Where the analysis says a run lands, shaped as ref ((V,), or the tree's joint (V, V)): the solver of
+    rlhf.kl.fixed_points from pi_ref, or from the policy `start` (same shape) when given; the argmax without a
+    KL (estimator None). advantage and n are the solver's advantage model."""
+    if estimator is None:
+        return fp.argmax_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
+    adv = dict(advantage=advantage, n=n)
+    if task == "bandit":
+        return fp.bandit_fixed_point(ref, rewards, beta, estimator, placement, **adv, start=start)
+    first = ref.sum(-1)
+    begin = None
+    if start is not None:  # a prefix the policy never takes keeps the reference's conditional (no direction there)
+        start_first = start.sum(-1)
+        begin = (start_first, torch.where(start_first[:, None] > 0, start / start_first[:, None], ref / first[:, None]))
+    point_first, point_second = fp.tree_fixed_point(first, ref / first[:, None], rewards, beta, estimator, placement,
+                                                    **adv, start=begin)
+    return point_first[:, None] * point_second
+
+
+def fixed_point_from(record: dict, start: torch.Tensor) -> torch.Tensor:
+    """fixed_point for the run that wrote `record` (theory.json), from the policy `start`: where the analysed
+    dynamics go from there."""
+    as_tensor = lambda key: torch.tensor(record[key], dtype=torch.float64)  # noqa: E731
+    return fixed_point(record["task"], as_tensor("ref"), as_tensor("rewards"), record["beta"], **record["solver"],
+                       start=start)
+
+
 def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
     return torch.where(p > 0, p * (p.log() - q.log()), 0.0).sum().item()
 
@@ -96,6 +124,7 @@ class Landing:
     rewards: torch.Tensor  # same shape
     beta: float
     label: str  # what `fixed_point` is: e.g. "k3 in the loss, rloo (n = 8)"
+    solver: dict  # fixed_point's estimator, placement, advantage and n for this run
     candidates: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> distribution, same shape
 
     @classmethod
@@ -110,12 +139,9 @@ class Landing:
         # (tests/test_fixed_points.py checks the enumeration reaches the same point), so the solver skips the
         # enumeration over groups, which costs seconds on the tree.
         adv = dict(advantage="exact", n=None) if model.advantage == "rloo" else dict(advantage=model.advantage, n=model.n)
-        candidates = {}
+        solver = dict(estimator=estimator, placement=placement, **adv)
+        candidates = {"fixed_point": fixed_point(task, ref, rewards, beta, **solver)}
         if task == "bandit":
-            if estimator is None:
-                candidates["fixed_point"] = fp.argmax_optimum(ref, rewards, beta)
-            else:
-                candidates["fixed_point"] = fp.bandit_fixed_point(ref, rewards, beta, estimator, placement, **adv)
             candidates["reverse_optimum"] = fp.reverse_kl_optimum(ref, rewards, beta)
             candidates["forward_optimum"] = fp.forward_kl_optimum(ref, rewards, beta)
             candidates["argmax"] = fp.argmax_optimum(ref, rewards, beta)
@@ -123,11 +149,6 @@ class Landing:
             first = ref.sum(-1)
             second = ref / first[:, None]
             joint = lambda pair: pair[0][:, None] * pair[1]  # noqa: E731
-            if estimator is None:
-                candidates["fixed_point"] = fp.argmax_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
-            else:
-                candidates["fixed_point"] = joint(fp.tree_fixed_point(first, second, rewards, beta, estimator,
-                                                                      placement, **adv))
             candidates["reverse_optimum"] = joint(fp.sequence_optimum(first, second, rewards, beta))
             candidates["forward_optimum"] = fp.forward_kl_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
             candidates["argmax"] = fp.argmax_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
@@ -139,7 +160,7 @@ class Landing:
         if placement == "loss" and ac.kl_loss_off_policy_correction:
             where = f"{ac.kl_loss_type} in the loss, corrected (as k2 on-policy)"
         label = f"{where}, {a.adv_estimator}" + (f" (n = {cfg.rollout.n})" if a.adv_estimator != "gae" else "")
-        return cls(task, temperature, ref, rewards, beta, label, candidates)
+        return cls(task, temperature, ref, rewards, beta, label, solver, candidates)
 
     def metrics(self, actor) -> dict[str, float]:
         """theory/tv_to_<candidate> for each candidate, theory/kl (KL(pi || ref)), theory/kl_forward
@@ -152,10 +173,10 @@ class Landing:
         return out
 
     def write(self, path: str, actor) -> dict:
-        """theory.json: the task, beta, what the fixed point is, pi_ref, the rewards, the final policy and each
+        """theory.json: the task, beta, what the fixed point is and the solver's settings for it, pi_ref, the rewards, the final policy and each
         candidate as probabilities (nested lists), and the final metrics. Returns what it wrote."""
         pi = synthetic.policy(actor, self.task, self.temperature)
-        record = {"task": self.task, "beta": self.beta, "fixed_point": self.label,
+        record = {"task": self.task, "beta": self.beta, "fixed_point": self.label, "solver": self.solver,
                   "ref": self.ref.tolist(), "rewards": self.rewards.tolist(), "policy": pi.tolist(),
                   "candidates": {name: point.tolist() for name, point in self.candidates.items()},
                   "metrics": {k: v for k, v in self.metrics(actor).items() if math.isfinite(v)}}

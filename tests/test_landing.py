@@ -8,6 +8,7 @@ that changes what is learned moves where a run lands.
 """
 
 import json
+import math
 import os
 import uuid
 
@@ -134,16 +135,20 @@ def test_the_landing_report_reads_its_verdicts_off_the_runs(tmp_path):
     from rlhf.compare.grid import Arm, run_dir
     from rlhf.compare.landing import LANDED, landing_report, read_cells, variant_dir
 
-    rev, fwd = [0.6, 0.4], [0.4, 0.6]
+    rev, fwd = [0.6, 0.4], [0.4, 0.6]  # with pi_ref (0.5, 0.5), r = (log 1.5, 0), beta = 1, rev is k3+'s point
 
     def write(arm, seed, tv_fp, tv_rev, tv_fwd, fixed_point):
         directory = run_dir(variant_dir(str(tmp_path), "rloo"), Arm.parse(arm), seed)
         os.makedirs(directory)
         metrics = {"theory/tv_to_fixed_point": tv_fp, "theory/tv_to_reverse_optimum": tv_rev,
                    "theory/tv_to_forward_optimum": tv_fwd}
+        solver = {"estimator": arm.split(":")[1], "placement": "loss", "advantage": "exact", "n": None}
+        policy = [fixed_point[0] - tv_fp, fixed_point[1] + tv_fp]
         with open(os.path.join(directory, "theory.json"), "w") as f:
-            json.dump({"fixed_point": arm, "candidates": {"fixed_point": fixed_point, "reverse_optimum": rev,
-                                                          "forward_optimum": fwd}, "metrics": metrics}, f)
+            json.dump({"task": "bandit", "beta": 1.0, "fixed_point": arm, "solver": solver, "ref": [0.5, 0.5],
+                       "rewards": [math.log(1.5), 0.0], "policy": policy,
+                       "candidates": {"fixed_point": fixed_point, "reverse_optimum": rev, "forward_optimum": fwd},
+                       "metrics": metrics}, f)
         with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 0, **metrics}) + "\n")
 
@@ -163,6 +168,56 @@ def test_the_landing_report_reads_its_verdicts_off_the_runs(tmp_path):
     assert "margin 0.202, sd over seeds 0.0010: 202x its spread (met" in crossover[0]
     assert "margin 0.178, sd over seeds 0.0110: 16x its spread (met" in crossover[1]
     assert "Cells that did not land: rloo loss:k3+." in report
+    # from its end, seed 3 (0.033 short of k3+'s point) is carried on to it; seeds 1 and 2 had landed
+    assert [line for line in report.splitlines() if line.startswith("| rloo | loss:k3+")][-1].endswith(
+        "| 2 / 0 / 1 / 0 |")
+
+
+def test_the_solver_from_a_runs_end_tells_another_stable_point_from_a_run_not_there_yet():
+    """from_the_end_rows on bandit records built from the solver itself: k2 in the reward ended on its stationary
+    point with arm 3 alone (stable: a dying arm's penalty grows without bound; the solver keeps arm 2 too) stays; k3+ in the loss ended
+    halfway from pi_ref to its fixed point is carried on to it; and one ended there (landed) has no row."""
+    from rlhf.compare.landing import Cell, from_the_end_rows
+
+    ex = fp.example(fp.BANDIT_EXAMPLE)
+    ref, rewards, beta = ex["ref_probs"], ex["rewards"], ex["beta"]
+
+    def record(estimator, placement, policy):
+        point = fp.bandit_fixed_point(ref, rewards, beta, estimator, placement)
+        solver = {"estimator": estimator, "placement": placement, "advantage": "exact", "n": None}
+        return {"task": "bandit", "beta": beta, "solver": solver, "ref": ref.tolist(), "rewards": rewards.tolist(),
+                "policy": policy.tolist(), "candidates": {"fixed_point": point.tolist()},
+                "metrics": {"theory/tv_to_fixed_point": fp.tv(policy, point)}}
+
+    other = fp.reward_stationary_point(ref, rewards, beta, "k2", torch.tensor([False, False, False, True]))
+    assert fp.tv(other, fp.bandit_fixed_point(ref, rewards, beta, "k2", "reward")) > 0.1  # another point
+    reverse = fp.reverse_kl_optimum(ref, rewards, beta)
+    halfway = (ref + reverse) / 2
+    assert fp.tv(halfway, reverse) > 0.1
+    cells = [Cell("rloo", "reward:k2", {1: record("k2", "reward", other)}),
+             Cell("rloo", "loss:k3+", {1: record("k3+", "loss", halfway)}),
+             Cell("rloo", "loss:k2", {1: record("k2", "loss", reverse)})]
+    rows = {" | ".join(line.split(" | ")[:2]): line for line in from_the_end_rows(cells)[2:]}
+    assert rows["| rloo | reward:k2"].endswith("| 0 / 1 / 0 / 0 |")
+    assert rows["| rloo | loss:k3+"].endswith("| 0 / 0 / 1 / 0 |")
+    assert "| rloo | loss:k2" not in rows
+
+
+def test_the_solver_starts_a_tree_from_a_runs_end():
+    """landing.fixed_point from a tree's corner (1, 2), where prefixes 0 and 2 are never taken (they start from
+    the reference's conditional): k1 in the reward, whose one stable point is the sequence-level optimum, goes
+    there; started from it, it stays."""
+    from rlhf.landing import fixed_point
+
+    ex = fp.example(fp.TREE_EXAMPLE)
+    ref = ex["ref_first"][:, None] * ex["ref_second"]
+    corner = torch.zeros(3, 3, dtype=torch.float64)
+    corner[1, 2] = 1.0
+    first, second = fp.sequence_optimum(ex["ref_first"], ex["ref_second"], ex["rewards"], ex["beta"])
+    optimum = first[:, None] * second
+    for start in (corner, optimum):
+        end = fixed_point("tree", ref, ex["rewards"], ex["beta"], "k1", "reward", "exact", None, start=start)
+        assert fp.tv(end, optimum) < 1e-9
 
 
 def test_the_tree_report_sets_the_cells_that_did_not_land_against_the_plain_gradient_path():

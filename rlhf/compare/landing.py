@@ -271,6 +271,47 @@ def plain_flow_rows(cells: list[Cell]) -> list[str]:
     return rows
 
 
+def from_the_end_rows(cells: list[Cell]) -> list[str]:
+    """For each cell that did not land: where the analysis's own dynamics (rlhf.landing.fixed_point_from: the
+    solver, the run's advantage model, clamps and kinks included) go from each seed's final policy. A seed that
+    did not land *stays* when the solver moves it by at most LANDED (in TV): the run ended on another stable
+    point of the dynamics the fixed point is computed from; it goes *to its fixed point* when the solver from
+    there ends within LANDED of it: the run had not got there; else *elsewhere*.
+
+    For the bandit: one state, where the solver's natural gradient and a plain gradient on the logits give every
+    token a step of the same sign (pi_x (A_x - E A) against A_x - E A), so a point one leaves the other leaves
+    too, only more slowly near a corner. On the tree they weight a prefix's conditional differently (by how often
+    it is visited) and can reach different stable points: plain_flow_rows speaks for the tree."""
+    import torch
+
+    from rlhf.kl import fixed_points as fp
+    from rlhf.landing import fixed_point_from
+
+    rows = ["| advantage | run | TV to its fixed point | TV the solver moves it | TV from there to its fixed point "
+            "| seeds: landed / stays / to its fixed point / elsewhere |", "|---|---|---|---|---|---|"]
+    for cell in cells:
+        own = cell.estimate("fixed_point")
+        if max(own.values) <= LANDED:
+            continue
+        moved, left, verdicts = [], [], {"landed": 0, "stays": 0, "to its fixed point": 0, "elsewhere": 0}
+        for seed in sorted(cell.records):
+            record = cell.records[seed]
+            end = torch.tensor(record["policy"], dtype=torch.float64)
+            after = fixed_point_from(record, end)
+            moved.append(fp.tv(end, after))
+            left.append(fp.tv(after, torch.tensor(record["candidates"]["fixed_point"], dtype=torch.float64)))
+            if record["metrics"]["theory/tv_to_fixed_point"] <= LANDED:
+                verdict = "landed"
+            elif moved[-1] <= LANDED:
+                verdict = "stays"
+            else:
+                verdict = "to its fixed point" if left[-1] <= LANDED else "elsewhere"
+            verdicts[verdict] += 1
+        rows.append(f"| {cell.variant} | {cell.arm} | {_fmt(own)} | {_fmt(Estimate(tuple(moved)))} | "
+                    f"{_fmt(Estimate(tuple(left)))} | {' / '.join(str(v) for v in verdicts.values())} |")
+    return rows
+
+
 def landing_report(output_dir: str, seeds: list[int], task: str, runs=LANDING_GRID) -> str:
     """Write <output_dir>/landing.md (the table, the crossover, the cells that did not land) and, with
     matplotlib, <output_dir>/landing.png (TV to the fixed point against steps); returns the markdown."""
@@ -284,6 +325,13 @@ def landing_report(output_dir: str, seeds: list[int], task: str, runs=LANDING_GR
     if task == "bandit":
         lines += ["The crossover:", "", *crossover(cells), ""]
     lines += [f"Cells that did not land: {', '.join(missed) if missed else 'none'}."]
+    if task == "bandit" and missed:
+        lines += ["", "The cells that did not land, with the solver started from each seed's final policy instead of "
+                  "pi_ref (the same advantage model, clamps and kinks): a seed that stays is on another stable point "
+                  "of those dynamics; one the solver carries to its fixed point had not got there. The solver moves "
+                  "every state by its natural gradient, a dying token at full speed, so 'to its fixed point' from "
+                  "near a corner says that corner is not stable, not that training would leave it soon:", "",
+                  *from_the_end_rows(cells)]
     if task == "tree" and missed:
         lines += ["", "Where there are several stable points, the path decides. The cells that did not land, against "
                   "where plain gradient ascent on tabular logits ends from the same pi_ref (rlhf.kl.fixed_points."

@@ -115,27 +115,37 @@ def _pin(z: torch.Tensor, pinned: torch.Tensor, ref_probs: torch.Tensor) -> torc
     return torch.where(pinned, ref_probs.log() + log_free - free_mass.log(), z)
 
 
+def _start_logits(probs: torch.Tensor) -> torch.Tensor:
+    """Logits of `probs` (..., K), each state's max at 0 and none below -_FLOOR (a probability 0 included)."""
+    z = probs.log()
+    return (z - z.max(-1, keepdim=True).values).clamp_min(-_FLOOR)
+
+
 def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_steps: int, tol: float,
-            measure=None):
+            measure=None, start: list[torch.Tensor] | None = None):
     """Natural-gradient ascent z += eta * (A - E_pi A) on each state's logits until no probability moves by > tol.
 
     `advantages(logits) -> [(base, p)]`, one pair per logits tensor, each token's expected advantage being
     A = base - beta * p: base is what the policy-gradient term gives a sample of that token (its reward, or an
     advantage estimator's E[A | token]), p the KL loss's share (or the penalty in the reward). `measure(probs)`
-    returns the probabilities whose moves decide convergence (default: every state's own).
-    `kinks` holds each tensor's _one_sided penalties. Where p jumps at pi = ref (abs in the
+    returns the probabilities whose moves decide convergence (default: every state's own). The ascent starts
+    from pi_ref, or from the probabilities `start` (one per tensor of refs). `kinks` holds each tensor's _one_sided penalties. Where p jumps at pi = ref (abs in the
     loss) the flow slides along pi_x = ref_x while E_pi[A] over the other tokens stays within the jump (the
     subgradient condition); plain steps would chatter across the kink, so such a token is pinned to ref once it
     crosses it and freed when the condition fails. Returns the probabilities; raises RuntimeError after max_steps.
     """
-    logits = [ref.log() for ref in refs]
+    logits = [ref.log() for ref in refs] if start is None else [_start_logits(p) for p in start]
     probs = [torch.softmax(z, -1) for z in logits]
     steps = [torch.full_like(z, _STEP / beta) for z in logits]
     previous = [torch.zeros_like(z) for z in logits]
     pinned = [torch.zeros_like(z, dtype=torch.bool) for z in logits]
     kinked = [(below - above).abs() > 1e-6 for below, above in kinks]
     sides = [torch.zeros_like(z) for z in logits]  # sign of d = log pi - log ref at the previous iterate
-    for _ in range(max_steps):
+    # From a start near a corner, a token at the floor moves its probability by ~e^-60 a step even while its logit
+    # climbs, which passes for converged: the ascent then runs at least twice the steps a logit needs to climb
+    # from the floor at _MAX_MOVE a step.
+    min_steps = 0 if start is None else 2 * math.ceil(_FLOOR / _MAX_MOVE)
+    for step_index in range(max_steps):
         new_logits, hs = [], []
         for i, (base, p) in enumerate(advantages(logits)):
             (below, above), pi, pin = kinks[i], probs[i], pinned[i]
@@ -165,7 +175,7 @@ def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_
         seen, before = (new_probs, probs) if measure is None else (measure(new_probs), measure(probs))
         moved = max((p - q).abs().max().item() for p, q in zip(seen, before))
         logits, probs, previous = new_logits, new_probs, hs
-        if moved <= tol:
+        if moved <= tol and step_index >= min_steps:
             return probs
     raise RuntimeError(f"not converged after {max_steps} steps (a probability still moved by {moved:.3g})")
 
@@ -197,14 +207,16 @@ def _bandit_advantages(model: AdvantageModel, logits, rewards, beta: float, pena
 def bandit_fixed_point(
     ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str, placement: str,
     max_steps: int = MAX_STEPS, tol: float = TOL, *, advantage: str = "exact", n: int | None = None,
+    start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The policy (K,) that training by exact expected gradients reaches from pi_ref on a K-armed bandit.
 
     ref_probs, rewards: (K,) float64; estimator in ESTIMATORS, placement "reward" or "loss" (module docstring);
     advantage the trainer's advantage estimator (advantage_models.ADVANTAGES, default the idealised
     r_x - E_pi r) and n its group size (rloo, grpo, drgrpo only). A corner is reached to ~1e-14 (a dying
-    probability shrinks geometrically until it moves by less than tol). Raises RuntimeError if not converged
-    within max_steps.
+    probability shrinks geometrically until it moves by less than tol). `start` (K,), a policy to start from
+    instead of pi_ref: where the same dynamics go from there (from a stable point, nowhere). Raises
+    RuntimeError if not converged within max_steps.
     """
     _check(ref_probs, beta, estimator, placement)
     model = _model(advantage, n)
@@ -215,7 +227,8 @@ def bandit_fixed_point(
                                    placement)]
 
     kinks = [_one_sided(ref_probs, estimator, placement)]
-    (probs,) = _ascend(advantages, [ref_probs], beta, kinks, max_steps, tol)
+    (probs,) = _ascend(advantages, [ref_probs], beta, kinks, max_steps, tol,
+                       start=None if start is None else [start])
     return probs
 
 
@@ -261,12 +274,12 @@ def _tree_advantages(model: AdvantageModel, z1, z2, ref_first, ref_second, rewar
 def tree_fixed_point(
     ref_first: torch.Tensor, ref_second: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str,
     placement: str, max_steps: int = MAX_STEPS, tol: float = TOL, *, advantage: str = "exact",
-    n: int | None = None,
+    n: int | None = None, start: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(first (A,), second (A, A)) that training reaches from pi_ref on the two-step tree; second[a] is pi(. | a).
 
-    ref_first (A,), ref_second (A, A) with rows summing to 1, rewards R(a, b) (A, A); advantage and n as in
-    bandit_fixed_point (_tree_advantages says what each sees). With the default, in the reward, the first
+    ref_first (A,), ref_second (A, A) with rows summing to 1, rewards R(a, b) (A, A); advantage, n and start
+    (here a pair (first, second)) as in bandit_fixed_point (_tree_advantages says what each sees). With the default, in the reward, the first
     token's advantage is its own penalty plus the second token's expected return (R minus its penalty); in
     the loss, it is E_{b ~ pi(.|a)} R(a, b) minus its own KL term only. Raises RuntimeError if not converged.
     """
@@ -284,7 +297,8 @@ def tree_fixed_point(
     # conditional is left without a direction (training's gradient there is pi(a) times it, 0): converged
     # is then judged on pi(a, b), what training sees.
     measure = (lambda probs: [probs[0][:, None] * probs[1]]) if model.advantage == "grpo" else None
-    first, second = _ascend(advantages, [ref_first, ref_second], beta, kinks, max_steps, tol, measure)
+    first, second = _ascend(advantages, [ref_first, ref_second], beta, kinks, max_steps, tol, measure,
+                            None if start is None else list(start))
     return first, second
 
 
