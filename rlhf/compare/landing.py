@@ -12,7 +12,10 @@ advantage estimator lands) and to every textbook candidate; `landing_report` tab
   over seeds, resolved when its 95% interval excludes 0 (candidates within LANDED of the fixed point are the
   same point, and not asked to be told apart);
 - the crossover (k3 in the loss at the forward-KL optimum, k3+ at the reverse one, under RLOO): each one's
-  margin, TV to the other optimum minus TV to its own, against 10x its spread over seeds.
+  margin, TV to the other optimum minus TV to its own, against 10x its spread over seeds;
+- for a cell that did not land, why: on the bandit, where the solver goes from each seed's end (another stable
+  point, or a run that had not got there: from_the_end_rows); on the tree, where plain gradient ascent ends
+  (plain_flow_rows).
 """
 
 from __future__ import annotations
