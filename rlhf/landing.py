@@ -83,7 +83,8 @@ def start_landing(cfg, accelerator, run) -> "Landing | None":
 
 
 def fixed_point(task: str, ref: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str | None,
-                placement: str | None, advantage: str, n: int | None, start: torch.Tensor | None = None) -> torch.Tensor:
+                placement: str | None, advantage: str, n: int | None,
+                start: torch.Tensor | None = None) -> torch.Tensor:
     """Where the analysis says a run lands, shaped as ref ((V,), or the tree's joint (V, V)): the solver of
     rlhf.kl.fixed_points from pi_ref, or from the policy `start` (same shape) when given; the argmax without a
     KL (estimator None). advantage and n are the solver's advantage model."""
@@ -173,8 +174,9 @@ class Landing:
         return out
 
     def write(self, path: str, actor) -> dict:
-        """theory.json: the task, beta, what the fixed point is and the solver's settings for it, pi_ref, the rewards, the final policy and each
-        candidate as probabilities (nested lists), and the final metrics. Returns what it wrote."""
+        """theory.json: the task, beta, what the fixed point is and the solver's settings for it, pi_ref, the
+        rewards, the final policy and each candidate as probabilities (nested lists), and the final metrics.
+        Returns what it wrote."""
         pi = synthetic.policy(actor, self.task, self.temperature)
         record = {"task": self.task, "beta": self.beta, "fixed_point": self.label, "solver": self.solver,
                   "ref": self.ref.tolist(), "rewards": self.rewards.tolist(), "policy": pi.tolist(),

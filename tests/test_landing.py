@@ -175,8 +175,9 @@ def test_the_landing_report_reads_its_verdicts_off_the_runs(tmp_path):
 
 def test_the_solver_from_a_runs_end_tells_another_stable_point_from_a_run_not_there_yet():
     """from_the_end_rows on bandit records built from the solver itself: k2 in the reward ended on its stationary
-    point with arm 3 alone (stable: a dying arm's penalty grows without bound; the solver keeps arm 2 too) stays; k3+ in the loss ended
-    halfway from pi_ref to its fixed point is carried on to it; and one ended there (landed) has no row."""
+    point with arm 3 alone (stable: a dying arm's penalty grows without bound; the solver keeps arm 2 too)
+    stays; k3+ in the loss ended halfway from pi_ref to its fixed point is carried on to it; and one ended
+    there (landed) has no row."""
     from rlhf.compare.landing import Cell, from_the_end_rows
 
     ex = fp.example(fp.BANDIT_EXAMPLE)

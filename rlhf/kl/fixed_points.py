@@ -129,10 +129,11 @@ def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_
     A = base - beta * p: base is what the policy-gradient term gives a sample of that token (its reward, or an
     advantage estimator's E[A | token]), p the KL loss's share (or the penalty in the reward). `measure(probs)`
     returns the probabilities whose moves decide convergence (default: every state's own). The ascent starts
-    from pi_ref, or from the probabilities `start` (one per tensor of refs). `kinks` holds each tensor's _one_sided penalties. Where p jumps at pi = ref (abs in the
-    loss) the flow slides along pi_x = ref_x while E_pi[A] over the other tokens stays within the jump (the
-    subgradient condition); plain steps would chatter across the kink, so such a token is pinned to ref once it
-    crosses it and freed when the condition fails. Returns the probabilities; raises RuntimeError after max_steps.
+    from pi_ref, or from the probabilities `start` (one per tensor of refs). `kinks` holds each tensor's
+    _one_sided penalties. Where p jumps at pi = ref (abs in the loss) the flow slides along pi_x = ref_x while
+    E_pi[A] over the other tokens stays within the jump (the subgradient condition); plain steps would chatter
+    across the kink, so such a token is pinned to ref once it crosses it and freed when the condition fails.
+    Returns the probabilities; raises RuntimeError after max_steps.
     """
     logits = [ref.log() for ref in refs] if start is None else [_start_logits(p) for p in start]
     probs = [torch.softmax(z, -1) for z in logits]
@@ -279,9 +280,10 @@ def tree_fixed_point(
     """(first (A,), second (A, A)) that training reaches from pi_ref on the two-step tree; second[a] is pi(. | a).
 
     ref_first (A,), ref_second (A, A) with rows summing to 1, rewards R(a, b) (A, A); advantage, n and start
-    (here a pair (first, second)) as in bandit_fixed_point (_tree_advantages says what each sees). With the default, in the reward, the first
-    token's advantage is its own penalty plus the second token's expected return (R minus its penalty); in
-    the loss, it is E_{b ~ pi(.|a)} R(a, b) minus its own KL term only. Raises RuntimeError if not converged.
+    (here a pair (first, second)) as in bandit_fixed_point (_tree_advantages says what each sees). With the
+    default, in the reward, the first token's advantage is its own penalty plus the second token's expected
+    return (R minus its penalty); in the loss, it is E_{b ~ pi(.|a)} R(a, b) minus its own KL term only.
+    Raises RuntimeError if not converged.
     """
     _check(ref_first, beta, estimator, placement)
     _check(ref_second, beta, estimator, placement)
