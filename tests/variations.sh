@@ -2,7 +2,7 @@
 # The test suite under what differs between machines, one variation after another (not part of the default
 # `python -m pytest -q`):
 #
-#   bash tests/variations.sh                     # all of them (~10 min each on 2 cores)
+#   bash tests/variations.sh                     # all of them (4-6 min each on 2 cores, 26 min in all)
 #   bash tests/variations.sh random threads1     # some of them, by name
 #   bash tests/variations.sh random -- tests/test_kl.py   # pytest arguments after --
 #
