@@ -50,10 +50,12 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 5  # estimator shapes, gradient bars, the bandit's landing, the KL panel, the runner's report
+    # estimator shapes, gradient bars, the bandit's landing and its report's figure, the KL panel, the runner's report
+    assert len(images) == 6
     text = json.dumps([o.get("data", {}).get("text/markdown", "") for o in outputs])
     assert "Schulman (2020)" in text and "k3 without clamp" in text  # section 1's table was shown
     assert "corrected: max error" in text and "| k3+ | detached | +0.965 |" in text  # the off-policy table
+    assert "Where the trainer lands: the bandit" in text  # the landing report, from the smoke's own two runs
     for run in ("reward-k1", "loss-k3+"):  # section 3 trained both runs and logged the KL panel
         rows = read_metrics(tmp_path / "runs" / run / "metrics.jsonl")
         assert all(f"kl/{k}" in rows[-1] for k in ("k1", "k2", "k3", "abs", "full"))
