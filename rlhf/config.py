@@ -140,6 +140,9 @@ class TrainerConfig:
     val_samples: int = 0  # n > 0: also n responses per held-out problem at the rollout temperature, for val/pass@k and val/maj@n (n times the evaluation's cost); 0 = off
     save_freq: int = 0  # checkpoint every N steps (always at the end); 0 = only at the end
     max_ckpt_to_keep: int = 2  # older checkpoints are deleted
+    save_model_with_checkpoints: bool = False  # also write a Hugging Face model directory (model/) inside each checkpoint; <output_dir>/model/ is written at the end of every run
+    export_critic: bool = False  # also export the critic (model/critic/: its backbone and value head), where there is one
+    export_dtype: str | None = None  # float32 | bfloat16 | float16: the exported weights' dtype; None = the dtype the actor was trained in
     resume_from: str | None = None  # a checkpoint directory, or "auto" for the latest in output_dir
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
     log_kl_panel: bool = True  # log kl/k1, kl/k2, kl/k3, kl/abs, kl/full, kl/full_forward every step (loads the reference even with no KL on)
@@ -384,6 +387,8 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
         _choice("trainer.mixed_precision", t.mixed_precision, ("no", "bf16", "fp16"))
     _choice("data.reward_method", d.reward_method, ("strict", "flexible"))
     _choice("trainer.logger", t.logger, ("wandb", "none"))
+    if t.export_dtype is not None:
+        _choice("trainer.export_dtype", t.export_dtype, DTYPE_NAMES)
     _choice("actor.recompute_old_logprobs", ac.recompute_old_logprobs, ("auto", "always"))
     for section in ("actor", "critic"):
         learner = getattr(cfg, section)
