@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jsonschema
 import pytest
@@ -21,13 +22,7 @@ from rlhf.config import EmbeddedConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
-SWEEP = os.path.join(ROOT, "configs", "sweeps", "kl_estimators.yaml")
-
-
-def load_sweep() -> dict:
-    with open(SWEEP) as f:
-        return yaml.safe_load(f)
-
+SWEEP_DIR = os.path.join(ROOT, "configs", "sweeps")
 
 DEFAULT_REGIME = compare.REGIMES[compare.GRIDS["ppo"].regime]
 
@@ -113,7 +108,17 @@ def test_help_lists_the_grid_steps_and_output_options():
         assert word in text, word
 
 
-# ----------------------------------------------------------------------------- the W&B sweep file
+# ----------------------------------------------------------------------------- the W&B sweep files
+
+
+# Each sweep file and what it must equal: rlhf.compare's grid, regime, seeds (`--seeds`) and output
+# directory. Another regime's file goes here too; every sweep test runs on each.
+SWEEPS = {"kl_estimators.yaml": dict(grid="ppo", regime="separating", seeds=3, output_dir="outputs/kl_estimators")}
+
+
+def load_sweep(name: str = "kl_estimators.yaml") -> dict:
+    with open(os.path.join(SWEEP_DIR, name)) as f:
+        return yaml.safe_load(f)
 
 
 def sweep_points(sweep: dict) -> list[dict]:
@@ -124,9 +129,30 @@ def sweep_points(sweep: dict) -> list[dict]:
     return [dict(zip(grid, combo), **constants) for combo in itertools.product(*grid.values())]
 
 
+def planned_runs(sweep: dict) -> list[dict]:
+    """The runs W&B's own grid planner (`sweeps.grid_search_next_runs`, what a W&B server runs for
+    `method: grid`) hands out for `sweep`, one after another until it says the grid is done: {key: value}."""
+    try:
+        with warnings.catch_warnings():  # its pydantic models are written for pydantic 1
+            warnings.simplefilter("ignore")
+            from sweeps.grid_search import grid_search_next_runs
+            from sweeps.run import RunState
+    except ImportError as e:
+        pytest.fail(f"W&B's sweeps engine is not importable ({e}): pip install --no-deps sweeps==0.3.0, "
+                    "and requirements-dev.txt (jsonref)")
+    runs = []
+    while len(runs) < 1000:
+        (run,) = grid_search_next_runs(runs, sweep, validate=True)
+        if run is None:
+            return [{k: v["value"] for k, v in r.config.items()} for r in runs]
+        run.state = RunState.finished
+        runs.append(run)
+    pytest.fail("W&B's grid planner did not finish")
+
+
 def wandb_sweep_schema() -> dict:
     """The JSON schema of W&B sweep configs, as shipped in W&B's `sweeps` package (what `wandb[sweeps]`
-    validates with). Read from the installed files, not imported: `import sweeps` needs scipy."""
+    validates with), read from the installed files."""
     try:
         files = importlib.metadata.files("sweeps") or []
     except importlib.metadata.PackageNotFoundError:
@@ -136,9 +162,22 @@ def wandb_sweep_schema() -> dict:
         return json.load(f)
 
 
-def test_sweep_file_validates_against_the_wandb_schema():
+def runner_config(spec: dict, arm: compare.Arm, seed: int | None) -> Config:
+    """The config `python -m rlhf.compare --grid <grid> --regime <regime> --seeds <n>` gives one run."""
+    regime = compare.REGIMES[spec["regime"]]
+    config = compare.GRIDS[spec["grid"]].config
+    shared = compare.shared_overrides(regime.steps, regime.kl_coef, None, "g", regime.overrides)
+    return load_config(config, compare.run_overrides(arm, spec["output_dir"], "cache", shared, [], seed))
+
+
+def test_every_sweep_file_is_listed():
+    assert sorted(os.listdir(SWEEP_DIR)) == sorted(SWEEPS)
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_sweep_file_validates_against_the_wandb_schema(name):
     validator = jsonschema.Draft7Validator(wandb_sweep_schema(), format_checker=jsonschema.FormatChecker())
-    sweep = load_sweep()
+    sweep = load_sweep(name)
     assert [e.message for e in validator.iter_errors(sweep)] == []
     broken = dict(sweep, method="grids", parameters={"trainer.seed": {"valuez": [1]}})
     assert len(list(validator.iter_errors(broken))) >= 2  # the validator is not a no-op
@@ -146,24 +185,30 @@ def test_sweep_file_validates_against_the_wandb_schema():
     assert "${args_no_hyphens}" in sweep["command"] and "${program}" in sweep["command"]
 
 
-def test_every_sweep_parameter_is_a_real_config_key():
-    for name, spec in load_sweep()["parameters"].items():
+@pytest.mark.parametrize("name", SWEEPS)
+def test_every_sweep_parameter_is_a_real_config_key(name):
+    for key, spec in load_sweep(name)["parameters"].items():
         for value in spec.get("values", [spec.get("value")]):
-            load_config(TINY, [f"{name}={value}"])  # raises ConfigError on an unknown key or a bad value
+            load_config(TINY, [f"{key}={value}"])  # raises ConfigError on an unknown key or a bad value
     with pytest.raises(ConfigError, match="unknown config key"):
         load_config(TINY, ["trainer.experiment_nam=x"])
 
 
-def test_sweep_constants_match_the_runners_default_regime():
-    params = load_sweep()["parameters"]
-    assert params["trainer.total_steps"]["value"] == DEFAULT_REGIME.steps
-    assert params["algorithm.kl_ctrl.kl_coef"]["value"] == DEFAULT_REGIME.kl_coef, (
-        "keep the sweep's coefficient equal to the default regime's (rlhf/compare/grid.py, REGIMES)")
+@pytest.mark.parametrize("name", SWEEPS)
+def test_sweep_constants_match_the_runners_regime_and_seeds(name):
+    spec, params = SWEEPS[name], load_sweep(name)["parameters"]
+    regime = compare.REGIMES[spec["regime"]]
+    assert params["trainer.total_steps"]["value"] == regime.steps
+    assert params["algorithm.kl_ctrl.kl_coef"]["value"] == regime.kl_coef, (
+        "keep the sweep's coefficient equal to its regime's (rlhf/compare/grid.py, REGIMES)")
     assert params["actor.kl_loss_coef"]["value"] == params["algorithm.kl_ctrl.kl_coef"]["value"]
     assert params["rollout.paired_noise"]["value"] is True
-    for override in DEFAULT_REGIME.overrides:  # e.g. actor.lr=2e-4
+    config = compare.GRIDS[spec["grid"]].config
+    for override in regime.overrides:  # e.g. actor.lr=2e-4
         key, _, value = override.partition("=")
-        assert load_config(TINY, [f"{key}={params[key]['value']}"]) == load_config(TINY, [override]), key
+        assert load_config(config, [f"{key}={params[key]['value']}"]) == load_config(config, [override]), key
+    first = load_config(config).trainer.seed  # --seeds N starts from the config's seed
+    assert params["trainer.seed"]["values"] == compare.seed_list(first, spec["seeds"])
 
 
 def agent_command(sweep: dict, point: dict, interpreter: str, program: str) -> list[str]:
@@ -179,29 +224,59 @@ def agent_command(sweep: dict, point: dict, interpreter: str, program: str) -> l
     return argv
 
 
-@pytest.mark.skipif(shutil.which("sh") is None or not os.path.exists("/usr/bin/env"), reason="needs a POSIX shell")
-def test_wandb_agent_runs_the_runners_grid(tmp_path):
-    """Each W&B grid point, launched as the agent would, gives train.py the same config as the local runner."""
+POSIX = pytest.mark.skipif(shutil.which("sh") is None or not os.path.exists("/usr/bin/env"),
+                           reason="needs a POSIX shell")
+
+
+@POSIX
+@pytest.mark.parametrize("name", SWEEPS)
+def test_wandb_agent_runs_the_runners_grid_with_its_seeds(name, tmp_path):
+    """W&B's planner hands out exactly rlhf.compare's runs x seeds, and each one, launched as the agent
+    would, gives train.py the config the local runner gives it: same KL, regime, seed, run name
+    (`<run>/seed<s>`) and directory (`<dir>/<run>/seed<s>/`)."""
     echo = tmp_path / "echo_argv.py"  # stands in for train.py: prints the argv it was given
     echo.write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    sweep = load_sweep()
-    points = sweep_points(sweep)
-    assert len(points) == len(compare.DEFAULT_GRID)  # one run per grid entry, no repeats
+    spec, sweep = SWEEPS[name], load_sweep(name)
+    points = planned_runs(sweep)
+    as_text = lambda runs: sorted(json.dumps(run, sort_keys=True) for run in runs)
+    assert as_text(points) == as_text(sweep_points(sweep))  # the planner's grid is the product, no more, no less
+    arms = [compare.Arm.parse(text) for text in compare.GRIDS[spec["grid"]].runs]
+    first = load_config(compare.GRIDS[spec["grid"]].config).trainer.seed
+    expected = compare.grid_jobs(arms, compare.seed_list(first, spec["seeds"]))
     seen = []
     for point in points:
         argv = agent_command(sweep, point, sys.executable, str(echo))
         got = json.loads(subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
-        assert got[:2] == ["--config", "configs/tiny.yaml"]
+        assert got[:2] == ["--config", os.path.relpath(compare.GRIDS[spec["grid"]].config, ROOT)]
         assert all("=" in word and " " not in word for word in got[2:]), got
         from_sweep = load_config(os.path.join(ROOT, got[1]), got[2:])
-        name = from_sweep.trainer.experiment_name
-        from_runner = arm_config(compare.Arm.parse(name))
-        a, b = to_dict(from_sweep), to_dict(from_runner)
+        label, _, seed = from_sweep.trainer.experiment_name.partition("/seed")
+        arm = compare.Arm.parse(label)
+        a, b = to_dict(from_sweep), to_dict(runner_config(spec, arm, int(seed)))
         for d in (a, b):
             d["trainer"].pop("group"), d["trainer"].pop("cache_dir")
-        assert a == b, name
-        seen.append(name)
-    assert sorted(seen) == sorted(compare.DEFAULT_GRID)
+        assert a == b, from_sweep.trainer.experiment_name
+        assert from_sweep.trainer.output_dir == compare.run_dir(spec["output_dir"], arm, int(seed))
+        seen.append((arm, int(seed)))
+    assert sorted(seen, key=repr) == sorted(expected, key=repr) and len(set(seen)) == len(seen)
+
+
+@POSIX
+def test_the_sweeps_runs_make_rlhf_compares_report(tmp_path):
+    """The 27 runs of the sweep, launched as the agent would with the stub trainer in train.py's place,
+    land where `python -m rlhf.compare --report-only outputs/kl_estimators` reads them: 9 runs x 3 seeds."""
+    stub = tmp_path / "stub_train.py"
+    stub.write_text(STUB_TRAIN)
+    sweep = load_sweep()
+    for point in planned_runs(sweep):
+        argv = agent_command(sweep, dict(point, **{"trainer.total_steps": 2}), sys.executable, str(stub))
+        subprocess.run(argv, cwd=tmp_path, capture_output=True, check=False)  # the stub fails loss:k3 on purpose
+    out = tmp_path / "outputs" / "kl_estimators"
+    assert compare.main(["--report-only", str(out)]) == 0
+    rows = table_rows((out / "kl_estimators.md").read_text())
+    assert len(rows) == len(compare.DEFAULT_GRID)
+    assert {row["seeds"] for row in rows.values()} == {"3"}
+    assert rows["KL in loss: k2"]["steps"] == "2" and rows["KL in loss: k3"]["steps"] == "1/2 ⚠"
 
 
 # ----------------------------------------------------------------------------- the runner (stub trainer)
