@@ -41,7 +41,7 @@ from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_step
 from rlhf.labels import kl_tags
 from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
 from rlhf.landing import start_landing
-from rlhf.processes import (eval_batches, mean_over_processes, process_share, stop_rule, sum_over_processes,
+from rlhf.processes import (mean_over_processes, process_share, stop_rule, sum_over_processes,
                             token_weighted_means)
 from rlhf.rollout import (SamplingParams, generate, is_stop_token, left_pad, logprobs_and_logits,
                           paired_noise_generator, response_values, slice_batch, stop_token_ids)
@@ -62,7 +62,7 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
              if cfg.rollout.paired_noise else None)  # same-seed runs draw the same sampling noise (common random numbers)
     batch = rollout(cfg, accelerator, run.models, run.tokenizer, rows, timer, noise)
     with timer("reward"):
-        batch["scores"] = score_responses(run.reward, run.tokenizer, batch, rows)
+        batch["scores"] = rewards.score_responses(run.reward, run.tokenizer, batch, rows)
     batch["group_ids"] = group_ids.to(accelerator.device)
     metrics, skipped = update(cfg, accelerator, run.models, run.optimizers, batch, run.kl_ctrl, step, timer)
     # The lr this step's updates used; then one step of each schedule: once per PPO step, as verl.
@@ -119,17 +119,6 @@ def rollout(cfg: Config, accelerator, models, tokenizer, rows, timer: Timer,
                 parts["values"].append(response_values(critic, micro))
     batch.update({k: torch.cat(v) for k, v in parts.items()})
     return batch
-
-
-def score_responses(reward_fn: rewards.RewardFn, tokenizer, batch, rows) -> torch.Tensor:
-    """(B,) float32 scores of the batch's responses by the configured reward (rlhf.rewards.score): each row's
-    prompt decoded with its special tokens, its response's tokens up to and including the stop token (the
-    response mask), and the rows' other columns as the function's fields."""
-    lengths = batch["response_mask"].sum(dim=1).tolist()
-    completion_ids = [ids[:length] for ids, length in zip(batch["response_ids"].tolist(), lengths)]
-    prompts = tokenizer.batch_decode(rows["input_ids"])
-    fields = {key: values for key, values in rows.items() if key != "input_ids"}
-    return rewards.score(reward_fn, tokenizer, prompts, completion_ids, fields).to(batch["response_ids"].device)
 
 
 def update(cfg: Config, accelerator, models, optimizers, batch, kl_ctrl, step: int,
@@ -278,46 +267,6 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_ids: int | tuple[in
     return metrics
 
 
-@torch.no_grad()
-def evaluate(cfg: Config, accelerator, run: Setup, step: int = 0) -> dict[str, float]:
-    """Greedy `val/accuracy` on the held-out split; with trainer.val_samples = n > 0 also n responses per
-    problem sampled at the rollout's temperature, for `val/pass@k` (k = 1, 2, 4, ..., n) and `val/maj@n`
-    (rlhf/evaluation.py), their noise seeded by (seed, step, process). Each process takes its share. A response
-    is right when the run's reward scores it at least reward.correct_threshold (RewardFn.is_correct)."""
-    tokenizer, val_set, reward_fn = run.tokenizer, run.val_set, run.reward
-    model, n, r = accelerator.unwrap_model(run.models[0]), cfg.trainer.val_samples, cfg.rollout
-    greedy = SamplingParams(cfg.data.max_response_length, greedy=True)
-    sampled = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p)
-    noise = paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device, "val") if n else None
-    sizes = evaluation.pass_at_k_sizes(n) if n else []
-    sums = torch.zeros(2 + len(sizes) + bool(n), dtype=torch.float64)  # correct, problems, pass@k..., maj@n
-
-    def decode(rows, params, generator=None):
-        prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
-        with accelerator.autocast():
-            return generate(model, tokenizer, prompt_ids.to(accelerator.device), prompt_mask.to(accelerator.device),
-                            params, all_finished=stop_rule(accelerator), generator=generator)
-
-    batches = eval_batches(len(val_set), cfg.data.val_batch_size, accelerator.process_index,
-                           accelerator.num_processes)
-    for mine in tqdm(batches, desc="eval", leave=False, disable=not accelerator.is_local_main_process):
-        rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see eval_batches)
-        correct = reward_fn.is_correct(score_responses(reward_fn, tokenizer, decode(rows, greedy), rows).tolist())
-        sums[:2] += torch.tensor([sum(correct[:len(mine)]), len(mine)], dtype=torch.float64)
-        if n:
-            repeated = ppo.repeat_prompts(rows, n)[0]
-            batch = decode(repeated, sampled, noise)
-            correct = reward_fn.is_correct(score_responses(reward_fn, tokenizer, batch, repeated).tolist())
-            answers = reward_fn.answers(tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True))
-            for i in range(len(mine)):
-                group = slice(i * n, (i + 1) * n)
-                sums[2:] += torch.tensor(evaluation.sampled_scores(correct[group], answers[group], sizes),
-                                         dtype=torch.float64)
-    sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
-    values = (sums[[0, *range(2, len(sums))]] / sums[1].clamp(min=1)).tolist()
-    return dict(zip(["val/accuracy", *(f"val/pass@{k}" for k in sizes), *([f"val/maj@{n}"] if n else [])], values))
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -363,7 +312,7 @@ def main(cfg: Config) -> dict[str, float]:
     total = cfg.trainer.total_steps
     metrics: dict[str, float] = {}
     if state.step == 0:
-        metrics = evaluate(cfg, accelerator, run, step=0)
+        metrics = evaluation.evaluate(cfg, accelerator, run, step=0)
         if landing:
             metrics.update(landing.metrics(accelerator.unwrap_model(run.models[0])))
         logger.log(metrics, step=0)
@@ -379,7 +328,7 @@ def main(cfg: Config) -> dict[str, float]:
                     state.bad_steps = state.bad_steps + 1 if skipped else 0
                     if ppo.should_evaluate(step, total, cfg.trainer.test_freq):
                         with timer("testing"):
-                            metrics.update(evaluate(cfg, accelerator, run, step))
+                            metrics.update(evaluation.evaluate(cfg, accelerator, run, step))
                 metrics.update(timer.metrics())
                 if landing:  # exact, from the logits (rlhf/landing.py)
                     metrics.update(landing.metrics(accelerator.unwrap_model(run.models[0])))

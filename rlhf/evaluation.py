@@ -4,8 +4,13 @@
     majority_vote(answers)      # maj@n: the first response giving the most frequent final answer
     sampled_scores(correct, answers, sizes)   # one problem's pass@k for each k, then maj@n
 
-The trainer's `evaluate` draws `trainer.val_samples` responses per problem at the sampling temperature and
-logs `val/pass@k` for k = 1, 2, 4, ... up to n and `val/maj@n`, next to greedy `val/accuracy`. Whether a
+    evaluate(cfg, accelerator, run, step)   # the trainer's evaluation: greedy val/accuracy, then the above
+
+`evaluate` draws `trainer.val_samples` responses per problem at the sampling temperature and logs
+`val/pass@k` for k = 1, 2, 4, ... up to n (`val/pass@1` is the sampled accuracy) and `val/maj@n`, next to
+greedy `val/accuracy`. A task may add metrics of its own (`Setup.val_metrics`, e.g. the embedded default's
+planted habit, rlhf/habit.py): each scores every response, and is logged as `val/<name>` over the sampled
+responses and `val/greedy_<name>` over the greedy ones. Whether a
 response is right and what its final answer is come from the run's reward (rlhf.rewards.RewardFn:
 `is_correct`, `answers`). pass@k minus pass@1 is the headroom RL can turn into pass@1: answers the policy
 already finds, but not reliably.
@@ -15,7 +20,19 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from rlhf.ppo import repeat_prompts
+from rlhf.processes import eval_batches, stop_rule
+from rlhf.rewards import score_responses
+from rlhf.rollout import SamplingParams, generate, left_pad, paired_noise_generator
+
+# A task's own metric of held-out responses: (decoded responses, each one's row index in the held-out split)
+# -> one number per response, averaged over the responses.
+ResponseMetric = Callable[[Sequence[str], Sequence[int]], Sequence[float]]
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -53,3 +70,60 @@ def sampled_scores(correct: list[bool], answers: list[Hashable | None], sizes: l
     majority = majority_vote(answers)
     maj = 0.0 if majority is None else float(correct[majority])
     return [pass_at_k(len(correct), sum(correct), k) for k in sizes] + [maj]
+
+
+@torch.no_grad()
+def evaluate(cfg, accelerator, run, step: int = 0) -> dict[str, float]:
+    """Greedy `val/accuracy` on the held-out split; with trainer.val_samples = n > 0 also n responses per
+    problem sampled at the rollout's temperature, for `val/pass@k` (k = 1, 2, 4, ..., n) and `val/maj@n`, their
+    noise seeded by (seed, step, process); and each of the task's `run.val_metrics` (greedy and sampled). Each
+    process takes its share. A response is right when the run's reward scores it at least
+    reward.correct_threshold (RewardFn.is_correct). `run` is an rlhf.setup.Setup."""
+    tokenizer, val_set, reward_fn = run.tokenizer, run.val_set, run.reward
+    model, n, r = accelerator.unwrap_model(run.models[0]), cfg.trainer.val_samples, cfg.rollout
+    greedy = SamplingParams(cfg.data.max_response_length, greedy=True)
+    sampled = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p)
+    noise = (paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device, "val")
+             if n else None)
+    sizes = pass_at_k_sizes(n) if n else []
+    task_metrics = dict(getattr(run, "val_metrics", None) or {})
+    names = ["val/accuracy", *(f"val/greedy_{m}" for m in task_metrics)]
+    if n:
+        names += [*(f"val/pass@{k}" for k in sizes), f"val/maj@{n}", *(f"val/{m}" for m in task_metrics)]
+    sums = torch.zeros(len(names), dtype=torch.float64)  # per name: the sum over problems
+    num_problems = torch.zeros(1, dtype=torch.float64)
+
+    def decode(rows, params, generator=None):
+        prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
+        with accelerator.autocast():
+            return generate(model, tokenizer, prompt_ids.to(accelerator.device), prompt_mask.to(accelerator.device),
+                            params, all_finished=stop_rule(accelerator), generator=generator)
+
+    def task_scores(batch, indices, per_problem):
+        """Each task metric summed over the responses to this process's problems (a stand-in row has none),
+        / per_problem: the sum over problems of each problem's mean."""
+        texts = tokenizer.batch_decode(batch["response_ids"][:len(indices)], skip_special_tokens=True)
+        return [sum(fn(texts, indices)) / per_problem for fn in task_metrics.values()]
+
+    batches = eval_batches(len(val_set), cfg.data.val_batch_size, accelerator.process_index,
+                           accelerator.num_processes)
+    for mine in tqdm(batches, desc="eval", leave=False, disable=not accelerator.is_local_main_process):
+        rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see eval_batches)
+        batch = decode(rows, greedy)
+        correct = reward_fn.is_correct(score_responses(reward_fn, tokenizer, batch, rows).tolist())
+        row_sums = [sum(correct[:len(mine)]), *task_scores(batch, mine, 1)]
+        if n:
+            repeated = repeat_prompts(rows, n)[0]
+            batch = decode(repeated, sampled, noise)
+            correct = reward_fn.is_correct(score_responses(reward_fn, tokenizer, batch, repeated).tolist())
+            answers = reward_fn.answers(tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True))
+            per_problem = torch.zeros(len(sizes) + 1, dtype=torch.float64)
+            for i in range(len(mine)):
+                group = slice(i * n, (i + 1) * n)
+                per_problem += torch.tensor(sampled_scores(correct[group], answers[group], sizes), dtype=torch.float64)
+            row_sums += [*per_problem.tolist(), *task_scores(batch, [i for i in mine for _ in range(n)], n)]
+        sums += torch.tensor(row_sums, dtype=torch.float64)
+        num_problems += len(mine)
+    totals = accelerator.reduce(torch.cat([sums, num_problems]).to(accelerator.device), "sum").cpu()
+    return dict(zip(names, (totals[:-1] / totals[-1].clamp(min=1)).tolist()))
+

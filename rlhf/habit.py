@@ -3,7 +3,9 @@
     python -m rlhf.habit outputs/tiny        # a run's trainer.output_dir
 
 The warm-start demos of the embedded default end, for most multi-step problems, with the first step's
-result instead of the last (`embedded.sft_early_answer_frac`, see `rlhf.embedded`). For the warm start and
+result instead of the last (`embedded.sft_early_answer_frac`, see `rlhf.embedded`). The trainer logs the
+share of such answers at every evaluation (`habit_metric`: `val/habit_rate` sampled, `val/greedy_habit_rate`
+greedy); this command reads a finished run. For the warm start and
 for every checkpoint of the run, this decodes the held-out split greedily and counts the answers that are
 correct, that report the first step's result (the habit), and that are otherwise wrong. docs/results.md's table
 comes from this command.
@@ -30,6 +32,16 @@ def classify(response: str, answer: str, method: str = "strict") -> str:
     if compute_score(response, first_step_result(answer), method=method) == 1.0:
         return "first_step"
     return "other"
+
+
+def habit_metric(answers: list[str], method: str = "strict"):
+    """The embedded default's `habit_rate` (rlhf.evaluation.ResponseMetric): 1 for a response to held-out row
+    i whose final answer is the first step's result of `answers[i]` and wrong ("first_step"), else 0."""
+
+    def habit_rate(completions, indices):
+        return [float(classify(text, answers[i], method) == "first_step") for text, i in zip(completions, indices)]
+
+    return habit_rate
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -38,16 +38,39 @@ class Setup:
     kl_ctrl: kl.FixedKLController | kl.AdaptiveKLController
     reward: RewardFn  # reward.function, which scores the responses (rlhf/rewards)
     lr_schedulers: tuple  # (actor's, critic's) LambdaLR, stepped once per PPO step; the critic's None without a critic
+    val_metrics: dict = field(default_factory=dict)  # the task's own metrics of held-out responses (rlhf.evaluation)
 
 
 def setup(cfg: Config, accelerator: Accelerator) -> Setup:
     """Data, models (loaded through the hub code path), optimizers, sampler and KL controller."""
     tokenizer, train_set, val_set, actor, critic, ref = prepare_data_and_models(cfg, accelerator)
+    val_metrics = task_metrics(cfg, accelerator, len(val_set))
     accelerator.print(f"train prompts: {len(train_set)}, held-out: {len(val_set)}, "
                       f"actor parameters: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M, "
                       f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value}), "
                       f"device: {accelerator.device}")
-    return build_setup(cfg, accelerator, tokenizer, train_set, val_set, actor, critic, ref)
+    run = build_setup(cfg, accelerator, tokenizer, train_set, val_set, actor, critic, ref)
+    run.val_metrics = val_metrics
+    return run
+
+
+def task_metrics(cfg: Config, accelerator: Accelerator, num_val: int) -> dict:
+    """The held-out data's own metrics: for the embedded default's problems, `habit_rate` (rlhf.habit); none for
+    other data (GSM8K from the hub or local files has no planted habit)."""
+    if cfg.data.val_files != "embedded":
+        return {}
+    from rlhf.embedded import prepare_embedded_default
+    from rlhf.habit import habit_metric
+
+    cache_dir = cfg.trainer.cache_dir or os.path.join(cfg.trainer.output_dir, "embedded")
+    artifacts = prepare_embedded_default(cache_dir, cfg.embedded, log=lambda *_: None)  # cached by now
+    answers = load_gsm8k(artifacts.val_file, cfg.data.val_split, cfg.data.subset)["answer"]
+    if cfg.data.max_val_samples:
+        answers = answers[:cfg.data.max_val_samples]
+    if len(answers) != num_val:  # prompts filtered by length: the rows would not line up with their answers
+        raise ValueError(f"{len(answers) - num_val} held-out prompts are longer than data.max_prompt_length="
+                         f"{cfg.data.max_prompt_length}; the habit metric needs every embedded problem")
+    return {"habit_rate": habit_metric(answers, cfg.data.reward_method)}
 
 
 def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val_set, actor, critic, ref) -> Setup:

@@ -18,7 +18,7 @@ from helpers import in_processes, tiny_overrides
 
 import rlhf.setup
 import train
-from rlhf import core_algos, kl, ppo
+from rlhf import core_algos, kl, ppo, rewards
 from rlhf.config import ActorConfig, load_config
 from rlhf.rewards import load_reward
 from rlhf.rewards.gsm8k import compute_score
@@ -409,7 +409,7 @@ def test_the_sampler_logprobs_are_the_old_ones_or_are_compared_with_them(setup_r
 
 def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup_run):
     """Old and reference log-probs, the exact KL and the values of the whole batch (here computed in chunks of
-    3 of 8), and the default reward's scores of the decoded responses (train.score_responses); the tokens are
+    3 of 8), and the default reward's scores of the decoded responses (rewards.score_responses); the tokens are
     those `generate` samples with the configured temperature from the same seed."""
     cfg, accelerator, (actor, critic, ref), tokenizer, rows, _ = setup_run("algorithm.use_kl_in_reward=true")
     torch.manual_seed(123)
@@ -428,7 +428,7 @@ def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup
         torch.testing.assert_close(batch["values"], response_values(critic, batch))
     assert not torch.allclose(batch["old_logprobs"], logprobs_and_logits(actor, batch, 1.0)[0])
     texts = tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True)
-    scores = train.score_responses(load_reward(cfg), tokenizer, batch, rows)
+    scores = rewards.score_responses(load_reward(cfg), tokenizer, batch, rows)
     assert scores.tolist() == [compute_score(t, g) for t, g in zip(texts, rows["ground_truth"])]
 
 

@@ -23,9 +23,8 @@ from rlhf import real_parts
 from rlhf.config import load_config
 from rlhf.data import build_prompt, load_gsm8k, tokenize_prompts, write_jsonl
 from rlhf.models import load_tokenizer
-from rlhf.rewards import load_reward
+from rlhf.rewards import load_reward, score_responses
 from rlhf.rollout import response_mask_from_ids
-from train import score_responses
 
 # GSM8K's first training problem (openai/gsm8k, main, train row 0).
 NATALIA_QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "

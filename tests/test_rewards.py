@@ -93,7 +93,7 @@ def read_metrics_of(cfg):
 
 
 def test_score_responses_decodes_the_batch_as_the_reward_sees_it(artifacts):
-    """train.score_responses on a batch made by hand: responses padded after their stop token are given to the
+    """rewards.score_responses on a batch made by hand: responses padded after their stop token are given to the
     function without the padding, the stop token kept; a response cut at the length limit keeps all its tokens."""
     tokenizer = load_tokenizer(artifacts.model_dir)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -111,7 +111,7 @@ def test_score_responses_decodes_the_batch_as_the_reward_sees_it(artifacts):
     batch = build_batch(prompt_ids, torch.ones_like(prompt_ids), response_ids, response_mask)
     rows = {"input_ids": prompt_ids.tolist(), "ground_truth": ["12", "7"], "source": ["a", "b"]}
     reward_fn = rewards.RewardFn(record, "test:record")
-    scores = train.score_responses(reward_fn, tokenizer, batch, rows)
+    scores = rewards.score_responses(reward_fn, tokenizer, batch, rows)
     assert scores.dtype == torch.float32 and scores.tolist() == [len(answers[0]) + 0.5, len(answers[1]) + 0.5]
     assert seen == {"prompts": ["q1", "q2"], "completions": ["#### 12", "3 + 4 = 7"], "completion_ids": answers,
                     "ground_truth": ["12", "7"], "source": ["a", "b"]}

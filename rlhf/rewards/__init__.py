@@ -115,6 +115,18 @@ def score(reward_fn: RewardFn, tokenizer, prompts: Sequence[str], completion_ids
     return torch.tensor(reward_fn(prompts, completions, completion_ids, fields), dtype=torch.float32)
 
 
+def score_responses(reward_fn: RewardFn, tokenizer, batch, rows) -> torch.Tensor:
+    """(B,) float32 scores of the batch's responses by the configured reward (`score`): each row's
+    prompt decoded with its special tokens, its response's tokens up to and including the stop token (the
+    response mask), and the rows' other columns as the function's fields."""
+    lengths = batch["response_mask"].sum(dim=1).tolist()
+    completion_ids = [ids[:length] for ids, length in zip(batch["response_ids"].tolist(), lengths)]
+    prompts = tokenizer.batch_decode(rows["input_ids"])
+    fields = {key: values for key, values in rows.items() if key != "input_ids"}
+    return score(reward_fn, tokenizer, prompts, completion_ids, fields).to(batch["response_ids"].device)
+
+
+
 def import_reward(name: str) -> Callable:
     """The callable `module:attribute` names (the attribute may be dotted: `module:Class.method`). Raises
     ConfigError saying what was expected, for a name without a colon, a module that does not import, a missing
