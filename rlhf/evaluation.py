@@ -5,6 +5,7 @@
     sampled_scores(correct, answers, sizes)   # one problem's pass@k for each k, then maj@n
 
     evaluate(cfg, accelerator, run, step)   # the trainer's evaluation: greedy val/accuracy, then the above
+    metrics, per_problem = evaluate_per_problem(cfg, accelerator, run)   # the same, and each problem's values
 
 `evaluate` draws `trainer.val_samples` responses per problem at the sampling temperature and logs
 `val/pass@k` for k = 1, 2, 4, ... up to n (`val/pass@1` is the sampled accuracy) and `val/maj@n`, next to
@@ -78,7 +79,21 @@ def evaluate(cfg, accelerator, run, step: int = 0) -> dict[str, float]:
     problem sampled at the rollout's temperature, for `val/pass@k` (k = 1, 2, 4, ..., n) and `val/maj@n`, their
     noise seeded by (seed, step, process); and each of the task's `run.val_metrics` (greedy and sampled). Each
     process takes its share. A response is right when the run's reward scores it at least
-    reward.correct_threshold (RewardFn.is_correct). `run` is an rlhf.setup.Setup."""
+    reward.correct_threshold (RewardFn.is_correct). `run` is an rlhf.setup.Setup (or anything with its
+    tokenizer, val_set, reward, models and val_metrics)."""
+    return _evaluate(cfg, accelerator, run, step, keep_problems=False)[0]
+
+
+@torch.no_grad()
+def evaluate_per_problem(cfg, accelerator, run, step: int = 0) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """`evaluate`'s metrics, and for each metric its value on every held-out problem, in the split's row order
+    (gathered from every process): 1.0 or 0.0 for `val/accuracy`, a problem's pass@k, maj@n (0 or 1), the mean
+    of a task metric over its responses. Each metric is the mean of its per-problem values; paired comparisons
+    of two models on the same problems (python -m rlhf.evaluate) need the values themselves."""
+    return _evaluate(cfg, accelerator, run, step, keep_problems=True)
+
+
+def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool):
     tokenizer, val_set, reward_fn = run.tokenizer, run.val_set, run.reward
     model, n, r = accelerator.unwrap_model(run.models[0]), cfg.trainer.val_samples, cfg.rollout
     greedy = SamplingParams(cfg.data.max_response_length, greedy=True)
@@ -92,6 +107,7 @@ def evaluate(cfg, accelerator, run, step: int = 0) -> dict[str, float]:
         names += [*(f"val/pass@{k}" for k in sizes), f"val/maj@{n}", *(f"val/{m}" for m in task_metrics)]
     sums = torch.zeros(len(names), dtype=torch.float64)  # per name: the sum over problems
     num_problems = torch.zeros(1, dtype=torch.float64)
+    problem_rows = []  # (held-out row index, [one value per name]) for this process's problems
 
     def decode(rows, params, generator=None):
         prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
@@ -99,11 +115,14 @@ def evaluate(cfg, accelerator, run, step: int = 0) -> dict[str, float]:
             return generate(model, tokenizer, prompt_ids.to(accelerator.device), prompt_mask.to(accelerator.device),
                             params, all_finished=stop_rule(accelerator), generator=generator)
 
-    def task_scores(batch, indices, per_problem):
-        """Each task metric summed over the responses to this process's problems (a stand-in row has none),
-        / per_problem: the sum over problems of each problem's mean."""
+    def task_values(batch, indices):
+        """Each task metric's value of every response to this process's problems (a stand-in row has none)."""
         texts = tokenizer.batch_decode(batch["response_ids"][:len(indices)], skip_special_tokens=True)
-        return [sum(fn(texts, indices)) / per_problem for fn in task_metrics.values()]
+        return [list(fn(texts, indices)) for fn in task_metrics.values()]
+
+    def problem_means(values, per_problem, num):
+        """Per problem: the mean of each task metric over its `per_problem` consecutive responses."""
+        return [[sum(v[i * per_problem:(i + 1) * per_problem]) / per_problem for v in values] for i in range(num)]
 
     batches = eval_batches(len(val_set), cfg.data.val_batch_size, accelerator.process_index,
                            accelerator.num_processes)
@@ -111,19 +130,32 @@ def evaluate(cfg, accelerator, run, step: int = 0) -> dict[str, float]:
         rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see eval_batches)
         batch = decode(rows, greedy)
         correct = reward_fn.is_correct(score_responses(reward_fn, tokenizer, batch, rows).tolist())
-        row_sums = [sum(correct[:len(mine)]), *task_scores(batch, mine, 1)]
+        values = task_values(batch, mine)
+        row_sums = [sum(correct[:len(mine)]), *(sum(v) for v in values)]
+        per_row = [[float(c), *means] for c, means in zip(correct, problem_means(values, 1, len(mine)))]
         if n:
             repeated = repeat_prompts(rows, n)[0]
             batch = decode(repeated, sampled, noise)
             correct = reward_fn.is_correct(score_responses(reward_fn, tokenizer, batch, repeated).tolist())
             answers = reward_fn.answers(tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True))
             per_problem = torch.zeros(len(sizes) + 1, dtype=torch.float64)
-            for i in range(len(mine)):
+            values = task_values(batch, [i for i in mine for _ in range(n)])
+            for i, means in enumerate(problem_means(values, n, len(mine))):
                 group = slice(i * n, (i + 1) * n)
-                per_problem += torch.tensor(sampled_scores(correct[group], answers[group], sizes), dtype=torch.float64)
-            row_sums += [*per_problem.tolist(), *task_scores(batch, [i for i in mine for _ in range(n)], n)]
+                scores = sampled_scores(correct[group], answers[group], sizes)
+                per_problem += torch.tensor(scores, dtype=torch.float64)
+                per_row[i] += [*scores, *means]
+            row_sums += [*per_problem.tolist(), *(sum(v) / n for v in values)]
         sums += torch.tensor(row_sums, dtype=torch.float64)
         num_problems += len(mine)
+        problem_rows += zip(mine, per_row)
     totals = accelerator.reduce(torch.cat([sums, num_problems]).to(accelerator.device), "sum").cpu()
-    return dict(zip(names, (totals[:-1] / totals[-1].clamp(min=1)).tolist()))
+    metrics = dict(zip(names, (totals[:-1] / totals[-1].clamp(min=1)).tolist()))
+    if not keep_problems:
+        return metrics, None
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
 
+        problem_rows = gather_object(problem_rows)
+    problem_rows = sorted(problem_rows)
+    return metrics, {name: [row[j] for _, row in problem_rows] for j, name in enumerate(names)}
