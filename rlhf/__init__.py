@@ -1,9 +1,9 @@
 """rlhf: a compact PPO-on-GSM8K example built around a KL-estimator module.
 
-Modules: `kl` (estimators, the `+` suffix, off-policy weighting, exact KL, coefficient controllers, the
-exact theory by enumeration, fixed points and the frameworks' defaults; `python -m rlhf.kl` prints its
-report), `ppo` (the decisions of one PPO step), `processes` (reductions over processes and each process's
-share), `core_algos` (masked ops, GAE, GRPO/RLOO, PPO losses, loss aggregation, log-probs), `registry` (the
+Modules: `kl` (estimators, the `+` suffix, off-policy weighting, exact KL, coefficient controllers), `theory`
+(the exact analysis by enumeration: expectations, fixed points, the frameworks' defaults; `python -m rlhf.theory`
+prints its report), `ppo` (the decisions of one PPO step), `processes` (reductions over processes and each
+process's share), `core_algos` (masked ops, GAE, GRPO/RLOO, PPO losses, loss aggregation, log-probs), `registry` (the
 named alternatives), `evaluation` (pass@k and maj@k),
 `rollout` (the decoding loop and the step's forward passes), `rewards.gsm8k` (the rule-based scorer),
 `data` (GSM8K loading and prompts), `sampler` (the order of training prompts), `models` (loading policy,

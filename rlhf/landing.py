@@ -7,7 +7,7 @@
 The policy is read off the actor's logits (rlhf.synthetic.policy: the bandit's pi, the tree's joint pi(a, b)),
 so every number is exact, no sampling. The candidates, at the run's own KL coefficient:
 - `fixed_point`: where the analysis says this run's estimator x placement x advantage estimator lands
-  (rlhf.kl.fixed_points, with the trainer's advantage model: GRPO's std, Dr. GRPO's (n - 1) / n, ...);
+  (rlhf.theory.fixed_points, with the trainer's advantage model: GRPO's std, Dr. GRPO's (n - 1) / n, ...);
 - `reverse_optimum`: argmax E[r] - beta KL(pi || ref) (over the whole sequence for the tree);
 - `forward_optimum`: argmax E[r] - beta KL(ref || pi) (over the joint for the tree);
 - `argmax`: no regularisation;
@@ -16,6 +16,9 @@ so every number is exact, no sampling. The candidates, at the run's own KL coeff
 The reward on every arm (every pair for the tree) comes from the configured reward function, called as the
 trainer calls it, so a user's own reward gets its fixed point too. pi_ref is the actor before its first update
 (the reference model's weights).
+
+train.py imports this module for every run; the analysis, rlhf.theory, is imported inside the functions that
+only a synthetic run calls, so that a GSM8K run never loads it.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf import synthetic
-from rlhf.kl import fixed_points as fp
-from rlhf.kl.advantage_models import advantage_model
 
 
 def run_kl(cfg) -> tuple[str | None, str | None, float]:
@@ -43,7 +44,7 @@ def run_kl(cfg) -> tuple[str | None, str | None, float]:
         return a.kl_penalty, "reward", a.kl_ctrl.kl_coef
     if ac.use_kl_loss and ac.kl_loss_off_policy_correction:
         # weighted by rho = pi / pi_old in the graph, k1's and k3's loss has the expected gradient of E_pi[k] =
-        # KL(pi || ref) at every mini-batch, which k2 in the loss has on-policy (rlhf.kl.peers.on_policy_equivalent)
+        # KL(pi || ref) at every mini-batch, which k2 in the loss has on-policy (rlhf.theory.peers.on_policy_equivalent)
         return "k2", "loss", ac.kl_loss_coef
     if ac.use_kl_loss:
         return ac.kl_loss_type, "loss", ac.kl_loss_coef
@@ -86,20 +87,23 @@ def fixed_point(task: str, ref: torch.Tensor, rewards: torch.Tensor, beta: float
                 placement: str | None, advantage: str, n: int | None,
                 start: torch.Tensor | None = None) -> torch.Tensor:
     """Where the analysis says a run lands, shaped as ref ((V,), or the tree's joint (V, V)): the solver of
-    rlhf.kl.fixed_points from pi_ref, or from the policy `start` (same shape) when given; the argmax without a
-    KL (estimator None). advantage and n are the solver's advantage model."""
+    rlhf.theory.fixed_points from pi_ref, or from the policy `start` (same shape) when given; the argmax without
+    a KL (estimator None). advantage and n are the solver's advantage model."""
+    from rlhf.theory.fixed_points import bandit_fixed_point, tree_fixed_point
+    from rlhf.theory.optima import argmax_optimum
+
     if estimator is None:
-        return fp.argmax_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
+        return argmax_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
     adv = dict(advantage=advantage, n=n)
     if task == "bandit":
-        return fp.bandit_fixed_point(ref, rewards, beta, estimator, placement, **adv, start=start)
+        return bandit_fixed_point(ref, rewards, beta, estimator, placement, **adv, start=start)
     first = ref.sum(-1)
     begin = None
     if start is not None:  # a prefix the policy never takes keeps the reference's conditional (no direction there)
         start_first = start.sum(-1)
         begin = (start_first, torch.where(start_first[:, None] > 0, start / start_first[:, None], ref / first[:, None]))
-    point_first, point_second = fp.tree_fixed_point(first, ref / first[:, None], rewards, beta, estimator, placement,
-                                                    **adv, start=begin)
+    point_first, point_second = tree_fixed_point(first, ref / first[:, None], rewards, beta, estimator, placement,
+                                                 **adv, start=begin)
     return point_first[:, None] * point_second
 
 
@@ -131,6 +135,15 @@ class Landing:
     @classmethod
     def for_run(cls, cfg, actor, rewards: torch.Tensor) -> "Landing":
         """The candidates of this run's config, pi_ref read off `actor` (before its first update)."""
+        from rlhf.theory.advantage_models import advantage_model
+        from rlhf.theory.optima import (
+            argmax_optimum,
+            forward_kl_optimum,
+            reverse_kl_optimum,
+            sequence_optimum,
+            token_level_optimum,
+        )
+
         task, temperature = cfg.model.path, cfg.rollout.temperature
         ref = synthetic.policy(actor, task, temperature)
         estimator, placement, beta = run_kl(cfg)
@@ -143,19 +156,19 @@ class Landing:
         solver = dict(estimator=estimator, placement=placement, **adv)
         candidates = {"fixed_point": fixed_point(task, ref, rewards, beta, **solver)}
         if task == "bandit":
-            candidates["reverse_optimum"] = fp.reverse_kl_optimum(ref, rewards, beta)
-            candidates["forward_optimum"] = fp.forward_kl_optimum(ref, rewards, beta)
-            candidates["argmax"] = fp.argmax_optimum(ref, rewards, beta)
+            candidates["reverse_optimum"] = reverse_kl_optimum(ref, rewards, beta)
+            candidates["forward_optimum"] = forward_kl_optimum(ref, rewards, beta)
+            candidates["argmax"] = argmax_optimum(ref, rewards, beta)
         else:
             first = ref.sum(-1)
             second = ref / first[:, None]
             joint = lambda pair: pair[0][:, None] * pair[1]  # noqa: E731
-            candidates["reverse_optimum"] = joint(fp.sequence_optimum(first, second, rewards, beta))
-            candidates["forward_optimum"] = fp.forward_kl_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
-            candidates["argmax"] = fp.argmax_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
-            candidates["token_level_optimum"] = joint(fp.token_level_optimum(first, second, rewards, beta))
+            candidates["reverse_optimum"] = joint(sequence_optimum(first, second, rewards, beta))
+            candidates["forward_optimum"] = forward_kl_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
+            candidates["argmax"] = argmax_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
+            candidates["token_level_optimum"] = joint(token_level_optimum(first, second, rewards, beta))
             candidates["token_level_forward_optimum"] = joint(
-                fp.token_level_optimum(first, second, rewards, beta, fp.forward_kl_optimum))
+                token_level_optimum(first, second, rewards, beta, forward_kl_optimum))
         ac = cfg.actor
         where = "no KL" if estimator is None else f"{estimator} in the {placement}"
         if placement == "loss" and ac.kl_loss_off_policy_correction:
@@ -166,8 +179,10 @@ class Landing:
     def metrics(self, actor) -> dict[str, float]:
         """theory/tv_to_<candidate> for each candidate, theory/kl (KL(pi || ref)), theory/kl_forward
         (KL(ref || pi)) and theory/expected_reward, of the actor's policy now."""
+        from rlhf.theory.optima import tv
+
         pi = synthetic.policy(actor, self.task, self.temperature)
-        out = {f"theory/tv_to_{name}": fp.tv(pi, point) for name, point in self.candidates.items()}
+        out = {f"theory/tv_to_{name}": tv(pi, point) for name, point in self.candidates.items()}
         out["theory/kl"] = _kl(pi, self.ref)
         out["theory/kl_forward"] = _kl(self.ref, pi)
         out["theory/expected_reward"] = (pi * self.rewards).sum().item()

@@ -29,7 +29,6 @@ import shutil
 import torch
 
 from rlhf import kl
-from rlhf.kl import fixed_points as fp
 
 # `cfg` below is the config's `synthetic` section, an rlhf.config.SyntheticConfig. Not imported: rlhf.config's
 # validation calls check_config, and the import would tie the two into a circle.
@@ -82,10 +81,18 @@ def check_config(cfg) -> None:
 # ----------------------------------------------------------------------------- the task's tables
 
 
+def _tree_example() -> dict:
+    """docs/kl.md's two-step example, rlhf.theory.examples.TREE_EXAMPLE: imported on use, so that the trainer
+    loads the analysis (rlhf.theory) only for a synthetic task."""
+    from rlhf.theory.examples import TREE_EXAMPLE
+
+    return TREE_EXAMPLE
+
+
 def num_tokens(task: str, cfg) -> int:
     """V, the vocabulary: the prompt token and the arms (synthetic.num_arms for the bandit; the tree has the
     three of docs/kl.md's example)."""
-    return 1 + (cfg.num_arms if task == "bandit" else len(fp.TREE_EXAMPLE["ref_first"]))
+    return 1 + (cfg.num_arms if task == "bandit" else len(_tree_example()["ref_first"]))
 
 
 def _anti_sorted(logits: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
@@ -108,7 +115,7 @@ def reward_table(task: str, cfg) -> torch.Tensor:
             table = (table >= table.quantile(0.75)).double()
         return (table * 100).round() / 100
     table = torch.zeros(num_tokens(task, cfg), num_tokens(task, cfg), dtype=torch.float64)
-    table[1:, 1:] = torch.tensor(fp.TREE_EXAMPLE["rewards"], dtype=torch.float64)
+    table[1:, 1:] = torch.tensor(_tree_example()["rewards"], dtype=torch.float64)
     return table
 
 
@@ -125,7 +132,8 @@ def target_reference(task: str, cfg) -> torch.Tensor:
         generator = torch.Generator().manual_seed(cfg.seed + 1)
         logits = cfg.ref_spread * torch.randn(num_tokens(task, cfg), generator=generator, dtype=torch.float64)
         return torch.softmax(_anti_sorted(logits, reward_table(task, cfg)), -1)[None]
-    arms = torch.tensor([fp.TREE_EXAMPLE["ref_first"], *fp.TREE_EXAMPLE["ref_second"]], dtype=torch.float64)
+    tree = _tree_example()
+    arms = torch.tensor([tree["ref_first"], *tree["ref_second"]], dtype=torch.float64)
     rows = torch.cat([torch.full((len(arms), 1), cfg.tree_prompt_mass), (1 - cfg.tree_prompt_mass) * arms], dim=1)
     return torch.cat([rows[:1], rows[:1], rows[1:]])  # first token; after <s>; after each arm
 

@@ -1,5 +1,5 @@
-"""Tests for rlhf/kl/fixed_points.py: where each estimator x placement converges (docs/kl.md, 'Where each
-estimator converges'). Every solver result is compared, in float64, with an optimum or a stationary condition
+"""Tests for rlhf/theory/fixed_points.py and optima.py: where each estimator x placement converges (docs/kl.md,
+'Where each estimator converges'). Every solver result is compared, in float64, with an optimum or a stationary condition
 written out here from its definition, so that the module's own analytic helpers are checked too."""
 
 import math
@@ -9,11 +9,12 @@ import pytest
 import torch
 from helpers import nudge
 
-from rlhf import kl_theory
+from rlhf import theory
 from rlhf.kl import canonical
-from rlhf.kl import advantage_models as am
-from rlhf.kl import fixed_points as fp
-from rlhf.kl_theory import bandit_fixed_point, tree_fixed_point
+from rlhf.theory import advantage_models as am
+from rlhf.theory import examples, fixed_point_tables, optima
+from rlhf.theory import fixed_points as fp
+from rlhf.theory import bandit_fixed_point, tree_fixed_point
 
 
 
@@ -33,7 +34,7 @@ BANDITS = {
     "seed0": random_bandit(0, 4, 0.3),
     "seed1": random_bandit(1, 6, 0.2),
     "seed2": random_bandit(2, 3, 0.5),
-    "asymmetric": tuple(fp.example(fp.BANDIT_EXAMPLE).values()),
+    "asymmetric": tuple(examples.example(examples.BANDIT_EXAMPLE).values()),
 }
 
 
@@ -53,7 +54,7 @@ def spread(x):
 @pytest.mark.parametrize("bandit", BANDITS)
 def test_analytic_optima_satisfy_their_definitions(bandit):
     ref, r, beta = BANDITS[bandit]
-    rev, fwd = fp.reverse_kl_optimum(ref, r, beta), fp.forward_kl_optimum(ref, r, beta)
+    rev, fwd = optima.reverse_kl_optimum(ref, r, beta), optima.forward_kl_optimum(ref, r, beta)
     assert torch.allclose(rev, reverse_optimum(ref, r, beta), rtol=1e-12)
     # forward KL: stationarity r + beta ref / pi = lam, on the simplex
     assert abs(fwd.sum().item() - 1) < 1e-12 and spread(r + beta * ref / fwd) < 1e-10
@@ -61,20 +62,20 @@ def test_analytic_optima_satisfy_their_definitions(bandit):
     objective = lambda pi: (pi * r).sum(-1) - beta * (pi - ref).abs().sum(-1)
     samples = torch.distributions.Dirichlet(torch.ones(len(ref), dtype=torch.float64)).sample((4000,))
     candidates = torch.cat([samples, torch.eye(len(ref), dtype=torch.float64), ref[None]])
-    assert objective(fp.tv_optimum(ref, r, beta)) >= objective(candidates).max() - 1e-12
+    assert objective(optima.tv_optimum(ref, r, beta)) >= objective(candidates).max() - 1e-12
 
 
 def test_tv_optimum_by_hand():
     ref, r = T(0.4, 0.3, 0.2, 0.1), T(0.0, 0.3, 0.6, 1.0)
     # gaps to the best arm: 1.0, 0.7, 0.4; 2 beta = 0.5: arms 0 and 1 give their mass to arm 3
-    assert torch.allclose(fp.tv_optimum(ref, r, 0.25), T(0.0, 0.0, 0.2, 0.8), atol=1e-15)
-    assert torch.allclose(fp.tv_optimum(ref, r, 0.6), ref, atol=1e-15)  # every gap <= 2 beta: stay at ref
+    assert torch.allclose(optima.tv_optimum(ref, r, 0.25), T(0.0, 0.0, 0.2, 0.8), atol=1e-15)
+    assert torch.allclose(optima.tv_optimum(ref, r, 0.6), ref, atol=1e-15)  # every gap <= 2 beta: stay at ref
 
 
 def test_sequence_optimum_is_the_joint_optimum():
-    tree = fp.example(fp.TREE_EXAMPLE)
+    tree = examples.example(examples.TREE_EXAMPLE)
     ref1, ref2, rewards, beta = tree["ref_first"], tree["ref_second"], tree["rewards"], tree["beta"]
-    first, second = fp.sequence_optimum(ref1, ref2, rewards, beta)
+    first, second = optima.sequence_optimum(ref1, ref2, rewards, beta)
     joint = (ref1[:, None] * ref2 * torch.exp(rewards / beta)).flatten()
     assert torch.allclose(first[:, None] * second, (joint / joint.sum()).view(3, 3), rtol=1e-12)
 
@@ -88,7 +89,7 @@ def test_solver_direction_is_the_expected_gradient(name):
     ref, _, _ = BANDITS["seed0"]
     logits = T(0.3, -1.1, 0.4, 0.9)
     pi = torch.softmax(logits, -1)
-    for placement, expected in (("loss", kl_theory.expected_loss_grad), ("reward", kl_theory.expected_reward_grad)):
+    for placement, expected in (("loss", theory.expected_loss_grad), ("reward", theory.expected_reward_grad)):
         p = fp.token_penalty(logits, ref, name, placement)
         assert torch.allclose(pi * (p - (pi * p).sum()), expected(name, logits, ref), atol=1e-14), placement
 
@@ -98,10 +99,10 @@ def test_full_direction_is_the_exact_gradient_and_constant_in_the_reward():
     logits = T(0.3, -1.1, 0.4, 0.9)
     pi = torch.softmax(logits, -1)
     p = fp.token_penalty(logits, ref, "full", "loss")
-    target = kl_theory.divergence_grad(kl_theory.reverse_kl, logits, ref)
+    target = theory.divergence_grad(theory.reverse_kl, logits, ref)
     assert torch.allclose(pi * (p - (pi * p).sum()), target, atol=1e-14)
     p = fp.token_penalty(logits, ref, "full", "reward")  # the state's KL, the same for every token
-    assert spread(p) == 0 and abs(p[0].item() - kl_theory.reverse_kl(logits, ref).item()) < 1e-14
+    assert spread(p) == 0 and abs(p[0].item() - theory.reverse_kl(logits, ref).item()) < 1e-14
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -111,8 +112,8 @@ ANALYTIC_ROWS = {
     ("k1", "reward"): reverse_optimum, ("k1+", "reward"): reverse_optimum,
     ("k2", "loss"): reverse_optimum, ("k1+", "loss"): reverse_optimum, ("k3+", "loss"): reverse_optimum,
     ("abs+", "loss"): reverse_optimum, ("full", "loss"): reverse_optimum,
-    ("k3", "loss"): lambda ref, r, beta: fp.forward_kl_optimum(ref, r, beta),
-    ("abs", "loss"): lambda ref, r, beta: fp.tv_optimum(ref, r, beta),
+    ("k3", "loss"): lambda ref, r, beta: optima.forward_kl_optimum(ref, r, beta),
+    ("abs", "loss"): lambda ref, r, beta: optima.tv_optimum(ref, r, beta),
     ("k1", "loss"): lambda ref, r, beta: torch.nn.functional.one_hot(r.argmax(), len(r)).double(),
     ("full", "reward"): lambda ref, r, beta: torch.nn.functional.one_hot(r.argmax(), len(r)).double(),
 }
@@ -145,7 +146,7 @@ def test_nonnegative_estimators_in_the_reward_kill_tokens(name, bandit):
     assert (d > 0).all()  # a local maximum: the penalty is concave below ref
     assert (probs[~alive] < 1e-12).all()
     assert (r[~alive] - beta * DEAD_PENALTY[base] < c.mean()).all()
-    assert torch.allclose(probs, fp.reward_stationary_point(ref, r, beta, name, alive), atol=1e-10, rtol=0)
+    assert torch.allclose(probs, optima.reward_stationary_point(ref, r, beta, name, alive), atol=1e-10, rtol=0)
     assert 0.5 * (probs - reverse_optimum(ref, r, beta)).abs().sum() > 0.05  # not a KL regulariser
 
 
@@ -165,7 +166,7 @@ def test_k3_in_the_reward_ascends_reverse_minus_forward_kl():
     pi = torch.softmax(logits, -1)
     divergence = (pi * (pi / ref).log()).sum() - (ref * (ref / pi).log()).sum()
     (grad,) = torch.autograd.grad(divergence, logits)
-    assert torch.allclose(kl_theory.expected_reward_grad("k3", logits.detach(), ref), grad, atol=1e-14)
+    assert torch.allclose(theory.expected_reward_grad("k3", logits.detach(), ref), grad, atol=1e-14)
     shrink = lambda eps: T(0.5 * (1 - eps), 0.5 * eps, 0.25, 0.25)  # token 1's probability to 0
     reverse_minus_forward = lambda q: ((q * (q / ref).log()).sum() - (ref * (ref / q).log()).sum()).item()
     values = [reverse_minus_forward(shrink(eps)) for eps in (1e-3, 1e-6, 1e-12)]
@@ -188,7 +189,7 @@ def test_k3_loss_clamp_leaves_far_tokens_to_the_reward():
     """A reward gap over ~13 beta puts the forward-KL optimum below d = -2.61, where k3's clamp zeroes its
     gradient: the module's k3 loss then lets those tokens die."""
     ref, r, beta = T(0.5, 0.3, 0.2), T(0.0, 0.5, 5.0), 0.3
-    forward = fp.forward_kl_optimum(ref, r, beta)
+    forward = optima.forward_kl_optimum(ref, r, beta)
     assert (forward.log() - ref.log())[:2].max() < -2.61 and forward[:2].min() > 0.01
     assert torch.allclose(bandit_fixed_point(ref, r, beta, "k3", "loss"), T(0.0, 0.0, 1.0), atol=1e-12, rtol=0)
 
@@ -197,7 +198,7 @@ def test_solver_raises_when_not_converged_and_on_bad_input():
     ref, r, beta = BANDITS["seed0"]
     with pytest.raises(RuntimeError, match="not converged after 1 steps"):
         bandit_fixed_point(ref, r, beta, "k1", "reward", max_steps=1)
-    tree = fp.example(fp.TREE_EXAMPLE)
+    tree = examples.example(examples.TREE_EXAMPLE)
     with pytest.raises(RuntimeError, match="not converged after 5 steps"):
         tree_fixed_point(**tree, estimator="k2", placement="loss", max_steps=5)
     for bad, error in ((dict(estimator="k4"), "unknown KL estimator"), (dict(placement="both"), "unknown placement"),
@@ -210,9 +211,9 @@ def test_solver_raises_when_not_converged_and_on_bad_input():
 # ---------------------------------------------------------------------------------------------------------
 # The two-step tree: sequence-level against token-level optima
 
-TREE = fp.example(fp.TREE_EXAMPLE)
+TREE = examples.example(examples.TREE_EXAMPLE)
 REF1, REF2, R, BETA = TREE["ref_first"], TREE["ref_second"], TREE["rewards"], TREE["beta"]
-SEQ_FIRST, SEQ_SECOND = fp.sequence_optimum(REF1, REF2, R, BETA)
+SEQ_FIRST, SEQ_SECOND = optima.sequence_optimum(REF1, REF2, R, BETA)
 
 
 def assert_tree(got, first, second, atol=1e-10):
@@ -279,7 +280,7 @@ def test_nonnegative_estimators_in_the_reward_on_the_tree(name):
 
 @pytest.fixture(scope="module")
 def report():
-    return fp.fixed_point_report()
+    return fixed_point_tables.fixed_point_report()
 
 
 def test_report_tables(report):
@@ -300,7 +301,7 @@ def test_report_tables(report):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The trainer's advantage estimators (rlhf/kl/advantage_models.py; docs/kl.md, 'Where the advantage estimator
+# The trainer's advantage estimators (rlhf/theory/advantage_models.py; docs/kl.md, 'Where the advantage estimator
 # moves the fixed point')
 
 GROUP_MODELS = [("rloo", 2), ("rloo", 4), ("grpo", 2), ("grpo", 4), ("grpo", 8), ("drgrpo", 3), ("drgrpo", 8)]
@@ -474,8 +475,8 @@ def test_rloo_reaches_the_exact_fixed_point(row, n, bandit):
 
 
 DR_GRPO_OPTIMA = {"k2": reverse_optimum, "k3+": reverse_optimum, "full": reverse_optimum,
-                  "k3": lambda ref, r, beta: fp.forward_kl_optimum(ref, r, beta),
-                  "abs": lambda ref, r, beta: fp.tv_optimum(ref, r, beta)}
+                  "k3": lambda ref, r, beta: optima.forward_kl_optimum(ref, r, beta),
+                  "abs": lambda ref, r, beta: optima.tv_optimum(ref, r, beta)}
 
 
 @pytest.mark.parametrize("bandit", BANDITS)
@@ -493,7 +494,7 @@ def test_dr_grpo_with_a_kl_loss_reaches_the_optimum_at_beta_n_over_n_minus_1(est
     else:
         assert torch.allclose(probs, optimum, atol=1e-10, rtol=0)
     if estimator != "abs":  # (abs: the TV optimum can be the same at both coefficients)
-        assert fp.tv(probs, DR_GRPO_OPTIMA[estimator](ref, r, beta)) > 1e-3
+        assert optima.tv(probs, DR_GRPO_OPTIMA[estimator](ref, r, beta)) > 1e-3
 
 
 @pytest.mark.parametrize("bandit", BANDITS)
@@ -507,8 +508,9 @@ def test_a_kl_in_the_reward_keeps_betas_optimum_under_every_advantage_estimator(
     assert torch.allclose(probs, reverse_optimum(ref, r, beta), atol=1e-10, rtol=0)
 
 
-BANDIT6 = tuple(fp.example(fp.BANDIT6_EXAMPLE)[key] for key in ("ref_probs", "rewards", "beta"))
-BANDIT6_BINARY = tuple(fp.example(fp.BANDIT6_EXAMPLE)[key] for key in ("ref_probs", "binary_rewards", "beta"))
+BANDIT6 = tuple(examples.example(examples.BANDIT6_EXAMPLE)[key] for key in ("ref_probs", "rewards", "beta"))
+BANDIT6_BINARY = tuple(examples.example(examples.BANDIT6_EXAMPLE)[key]
+                       for key in ("ref_probs", "binary_rewards", "beta"))
 
 
 @pytest.mark.parametrize("n", [4, 8, 16])
@@ -525,7 +527,7 @@ def test_grpo_std_with_a_kl_loss_stops_where_samuelsons_bound_meets_the_kl(n):
     bound = -(n - 1) / (beta * math.sqrt(n))
     relative = ((d[others] - d[best]) / bound - 1).abs().max().item()
     assert relative < {4: 0.2, 8: 0.03, 16: 0.001}[n]  # the groups with two other arms fade as pi_y does
-    assert fp.tv(probs, fp.samuelson_point(ref, r, beta, n)) < {4: 0.03, 8: 4e-4, 16: 3e-7}[n]
+    assert optima.tv(probs, optima.samuelson_point(ref, r, beta, n)) < {4: 0.03, 8: 4e-4, 16: 3e-7}[n]
     assert probs[best] > {4: 0.85, 8: 0.99, 16: 0.9999}[n]
     # in the large-batch limit (gae, the same standardised advantage, no bound): the argmax itself
     assert bandit_fixed_point(ref, r, beta, "k3+", "loss", advantage="gae")[others].max() < 1e-12  # a corner, to tol
@@ -539,17 +541,17 @@ def test_gae_with_a_kl_loss_is_the_reverse_optimum_at_beta_times_the_rewards_std
     tilted = lambda t: torch.softmax(ref.log() + t * r, -1)
     std = lambda pi: ((pi * (r - (pi * r).sum()) ** 2).sum() + am.WHITEN_EPS).sqrt()
     beta = 1.0  # beta * max_t t std(pi_t) = 1.45 here: two roots
-    t = fp._bisect(lambda t: t * beta * std(tilted(t)) - 1, torch.tensor(0.0, dtype=torch.float64),
+    t = optima._bisect(lambda t: t * beta * std(tilted(t)) - 1, torch.tensor(0.0, dtype=torch.float64),
                    torch.tensor(6.5, dtype=torch.float64))  # t std(pi_t) rises until t = 6.5 on this bandit
     probs = bandit_fixed_point(ref, r, beta, "k3+", "loss", advantage="gae")
     assert torch.allclose(probs, tilted(t), atol=1e-10, rtol=0)
-    assert torch.allclose(fp.whitened_optimum(ref, r, beta), probs, atol=1e-10, rtol=0)
-    assert fp.tv(probs, reverse_optimum(ref, r, beta)) > 0.1
-    assert abs(fp.tilt_peak(ref, r) - 1.449) < 1e-3
+    assert torch.allclose(optima.whitened_optimum(ref, r, beta), probs, atol=1e-10, rtol=0)
+    assert optima.tv(probs, reverse_optimum(ref, r, beta)) > 0.1
+    assert abs(optima.tilt_peak(ref, r) - 1.449) < 1e-3
     # beta = 0.3: beta * 1.449 < 1, no root but the whitening eps's: the argmax
     corner = bandit_fixed_point(ref, r, 0.3, "k3+", "loss", advantage="gae")
-    assert torch.allclose(fp.whitened_optimum(ref, r, 0.3), corner, atol=1e-12, rtol=0)
-    assert torch.allclose(corner, fp.argmax_optimum(ref, r, 0.3), atol=1e-12, rtol=0)
+    assert torch.allclose(optima.whitened_optimum(ref, r, 0.3), corner, atol=1e-12, rtol=0)
+    assert torch.allclose(corner, optima.argmax_optimum(ref, r, 0.3), atol=1e-12, rtol=0)
 
 
 def test_grpo_std_with_a_binary_reward_and_a_kl_loss():
@@ -561,7 +563,7 @@ def test_grpo_std_with_a_binary_reward_and_a_kl_loss():
     assert torch.allclose(probs[right] / probs[right].sum(), ref[right] / ref[right].sum(), atol=1e-10, rtol=0)
     wrong_mass, optimum_wrong_mass = probs[~right].sum().item(), reverse_optimum(ref, r, beta)[~right].sum().item()
     assert wrong_mass < 1e-3 < 0.05 < optimum_wrong_mass
-    assert abs(fp.tv(probs, reverse_optimum(ref, r, beta)) - (optimum_wrong_mass - wrong_mass)) < 1e-12
+    assert abs(optima.tv(probs, reverse_optimum(ref, r, beta)) - (optimum_wrong_mass - wrong_mass)) < 1e-12
 
 
 def test_gae_models_the_trainers_whitening():
@@ -604,7 +606,7 @@ def test_tree_rloo_is_exact_and_dr_grpo_is_beta_n_over_n_minus_1(row, n):
         assert_tree(dr_grpo, *exact)
     else:
         assert_tree(dr_grpo, *tree_fixed_point(REF1, REF2, R, BETA * n / (n - 1), *row))
-        assert fp.tv(dr_grpo[0], exact[0]) > 0.01
+        assert optima.tv(dr_grpo[0], exact[0]) > 0.01
 
 
 @pytest.mark.parametrize("model", [("grpo", 4), ("gae", None)], ids=["grpo4", "gae"])
@@ -659,9 +661,9 @@ def test_tree_gae_models_the_trainers_whitening():
 
 
 def test_advantage_report():
-    report = fp.advantage_report()
+    report = fixed_point_tables.advantage_report()
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| r ") or line.startswith("| 0/1 ")]
-    assert len(rows) == len(fp.ADVANTAGE_ROWS)
+    assert len(rows) == len(fixed_point_tables.ADVANTAGE_ROWS)
     # derived points are met to float noise, printed as the bound; the approximations' gaps are real ones
     assert all(row[6] == "< 1e-12 |" for row in rows if row[5] not in ("Samuelson's bound", "-"))
     assert all(float(row[6].rstrip(" |")) > 1e-12 for row in rows if row[5] == "Samuelson's bound")
@@ -677,10 +679,11 @@ def test_advantage_report():
 def test_report_digits_are_those_of_any_machine(report, monkeypatch, sign):
     """The report, docs/kl.md's tables, is the same to every printed digit for examples nudged by 1e-9 either
     way (helpers.nudge says why that makes it the same on any CPU, BLAS and thread count)."""
-    example = fp.example
-    monkeypatch.setattr(fp, "example", lambda ex: {k: nudge(v, sign) for k, v in example(ex).items()})
-    assert fp.example(fp.BANDIT_EXAMPLE)["rewards"][1].item() != fp.BANDIT_EXAMPLE["rewards"][1]  # nudged
-    assert fp.fixed_point_report() == report
+    example = fixed_point_tables.example
+    monkeypatch.setattr(fixed_point_tables, "example", lambda ex: {k: nudge(v, sign) for k, v in example(ex).items()})
+    nudged = fixed_point_tables.example(examples.BANDIT_EXAMPLE)
+    assert nudged["rewards"][1].item() != examples.BANDIT_EXAMPLE["rewards"][1]
+    assert fixed_point_tables.fixed_point_report() == report
 
 
 # The plain-gradient path: the same fixed points, another way to them
@@ -695,7 +698,7 @@ def test_tree_plain_flow_reaches_the_solvers_point_where_it_is_the_only_stable_o
     its finite time (lr x steps = 1,000) within 1e-5 in TV (measured below 1e-7: the plain path's slower
     approach, a hundredfold margin; another point would be > 0.1 away)."""
     flow = fp.tree_plain_flow(REF1, REF2, R, BETA, *row)
-    assert fp.tv(joint(flow), joint(tree_fixed_point(REF1, REF2, R, BETA, *row))) < 1e-5
+    assert optima.tv(joint(flow), joint(tree_fixed_point(REF1, REF2, R, BETA, *row))) < 1e-5
 
 
 def test_tree_plain_flow_under_whitened_advantages_ends_in_another_corner_than_the_solver():
@@ -707,4 +710,4 @@ def test_tree_plain_flow_under_whitened_advantages_ends_in_another_corner_than_t
     solver = joint(tree_fixed_point(REF1, REF2, R, BETA, "k2", "loss", advantage="gae"))
     plain = joint(fp.tree_plain_flow(REF1, REF2, R, BETA, "k2", "loss", advantage="gae"))
     assert plain[1, 2] > 0.99 and plain.sum() == pytest.approx(1, abs=1e-12)
-    assert solver[0].sum() > 0.5 and fp.tv(plain, solver) > 0.9
+    assert solver[0].sum() > 0.5 and optima.tv(plain, solver) > 0.9

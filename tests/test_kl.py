@@ -1,4 +1,4 @@
-"""Tests for rlhf/kl and rlhf/kl_theory.py. The facts and numbers are those of docs/kl.md.
+"""Tests for rlhf/kl and rlhf/theory/expectations.py. The facts and numbers are those of docs/kl.md.
 
 Expectations are exact (enumerating a 4-token vocabulary), so nothing here can flake; the one Monte-Carlo
 test uses a fixed seed and 5 standard errors with the standard deviation computed exactly.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf import kl_theory
+from rlhf import theory
 from rlhf.kl import (
     ESTIMATOR_NAMES,
     KL_CTRL_TYPES,
@@ -260,7 +260,7 @@ def test_identical_inputs_give_zero(name):
 @pytest.fixture(params=["A", "B"])
 def categorical(request):
     """(name, logits, ref_probs, pi, ref as float64 numpy)."""
-    logits, ref = kl_theory.example(request.param)
+    logits, ref = theory.example(request.param)
     return request.param, logits, ref, logits.softmax(-1).numpy(), ref.numpy()
 
 
@@ -272,52 +272,52 @@ def analytic_grads(pi, ref):
 
 
 def test_kl_md_numbers():
-    logits, ref = kl_theory.example("A")
-    assert kl_theory.reverse_kl(logits, ref).item() == pytest.approx(0.244174, abs=1e-6)
-    assert kl_theory.forward_kl(logits, ref).item() == pytest.approx(0.311199, abs=1e-6)
-    assert kl_theory.total_variation(logits, ref).item() == pytest.approx(0.3, abs=1e-12)
-    assert kl_theory.expected_value("k1", logits, ref).item() == pytest.approx(0.244174, abs=1e-6)
-    assert kl_theory.expected_value("k3", logits, ref).item() == pytest.approx(0.244174, abs=1e-6)
-    assert kl_theory.expected_value("k2", logits, ref).item() == pytest.approx(0.209427, abs=1e-6)
-    assert kl_theory.expected_value("abs", logits, ref).item() == pytest.approx(0.558366, abs=1e-6)
+    logits, ref = theory.example("A")
+    assert theory.reverse_kl(logits, ref).item() == pytest.approx(0.244174, abs=1e-6)
+    assert theory.forward_kl(logits, ref).item() == pytest.approx(0.311199, abs=1e-6)
+    assert theory.total_variation(logits, ref).item() == pytest.approx(0.3, abs=1e-12)
+    assert theory.expected_value("k1", logits, ref).item() == pytest.approx(0.244174, abs=1e-6)
+    assert theory.expected_value("k3", logits, ref).item() == pytest.approx(0.244174, abs=1e-6)
+    assert theory.expected_value("k2", logits, ref).item() == pytest.approx(0.209427, abs=1e-6)
+    assert theory.expected_value("abs", logits, ref).item() == pytest.approx(0.558366, abs=1e-6)
     np.testing.assert_allclose(
-        kl_theory.divergence_grad(kl_theory.reverse_kl, logits, ref).numpy(),
+        theory.divergence_grad(theory.reverse_kl, logits, ref).numpy(),
         [0.224486, -0.018556, -0.113250, -0.092681], atol=1e-6,
     )
     np.testing.assert_allclose(
-        kl_theory.expected_loss_grad("k3", logits, ref).numpy(), [0.25, 0.05, -0.10, -0.20], atol=1e-12
+        theory.expected_loss_grad("k3", logits, ref).numpy(), [0.25, 0.05, -0.10, -0.20], atol=1e-12
     )
-    logits, ref = kl_theory.example("B")
-    assert kl_theory.reverse_kl(logits, ref).item() == pytest.approx(0.456435, abs=1e-6)
-    assert kl_theory.forward_kl(logits, ref).item() == pytest.approx(0.456435, abs=1e-6)
+    logits, ref = theory.example("B")
+    assert theory.reverse_kl(logits, ref).item() == pytest.approx(0.456435, abs=1e-6)
+    assert theory.forward_kl(logits, ref).item() == pytest.approx(0.456435, abs=1e-6)
     np.testing.assert_allclose(
-        kl_theory.expected_loss_grad("k3+", logits, ref).numpy(),
+        theory.expected_loss_grad("k3+", logits, ref).numpy(),
         [0.371944, -0.015291, -0.172380, -0.184273], atol=1e-6,
     )
     np.testing.assert_allclose(
-        kl_theory.expected_loss_grad("k3", logits, ref).numpy(), [0.3, 0.1, -0.1, -0.3], atol=1e-12
+        theory.expected_loss_grad("k3", logits, ref).numpy(), [0.3, 0.1, -0.1, -0.3], atol=1e-12
     )
 
 
 def test_divergence_helpers_match_hand_written_gradients(categorical):
     _, logits, ref, pi, ref_np = categorical
     rev, fwd, two_tv = analytic_grads(pi, ref_np)
-    np.testing.assert_allclose(kl_theory.divergence_grad(kl_theory.reverse_kl, logits, ref), rev, atol=1e-12)
-    np.testing.assert_allclose(kl_theory.divergence_grad(kl_theory.forward_kl, logits, ref), fwd, atol=1e-12)
+    np.testing.assert_allclose(theory.divergence_grad(theory.reverse_kl, logits, ref), rev, atol=1e-12)
+    np.testing.assert_allclose(theory.divergence_grad(theory.forward_kl, logits, ref), fwd, atol=1e-12)
     np.testing.assert_allclose(
-        2 * kl_theory.divergence_grad(kl_theory.total_variation, logits, ref), two_tv, atol=1e-12
+        2 * theory.divergence_grad(theory.total_variation, logits, ref), two_tv, atol=1e-12
     )
 
 
 def test_expected_values(categorical):
     _, logits, ref, pi, ref_np = categorical
     kl = float(pi @ (np.log(pi) - np.log(ref_np)))
-    assert kl_theory.expected_value("k1", logits, ref).item() == pytest.approx(kl, rel=1e-12)
-    assert kl_theory.expected_value("k3", logits, ref).item() == pytest.approx(kl, rel=1e-12)
-    assert kl_theory.expected_value("abs", logits, ref).item() >= kl
-    assert kl_theory.expected_value("k2", logits, ref).item() != pytest.approx(kl, rel=1e-3)
+    assert theory.expected_value("k1", logits, ref).item() == pytest.approx(kl, rel=1e-12)
+    assert theory.expected_value("k3", logits, ref).item() == pytest.approx(kl, rel=1e-12)
+    assert theory.expected_value("abs", logits, ref).item() >= kl
+    assert theory.expected_value("k2", logits, ref).item() != pytest.approx(kl, rel=1e-3)
     for name in PLUS_NAMES:
-        assert kl_theory.expected_value(name, logits, ref) == kl_theory.expected_value(name[:-1], logits, ref)
+        assert theory.expected_value(name, logits, ref) == theory.expected_value(name[:-1], logits, ref)
     # the sign trap: exp(d) - 1 - d has mean chi^2(ref||pi)-ish, not KL
     wrong_k3 = float(pi @ (pi / ref_np - 1 - np.log(pi / ref_np)))
     assert wrong_k3 != pytest.approx(kl, rel=1e-2)
@@ -330,10 +330,10 @@ def test_expected_loss_and_reward_gradients(categorical, dtype, tol):
     rev, fwd, two_tv = analytic_grads(pi, ref_np)
 
     def loss(name):
-        return kl_theory.expected_loss_grad(name, logits, ref).double().numpy()
+        return theory.expected_loss_grad(name, logits, ref).double().numpy()
 
     def reward(name):
-        return kl_theory.expected_reward_grad(name, logits, ref).double().numpy()
+        return theory.expected_reward_grad(name, logits, ref).double().numpy()
 
     close = dict(rtol=tol, atol=tol)
     np.testing.assert_allclose(loss("k1"), 0.0, **close)  # k1 as a loss does nothing on average
@@ -349,23 +349,23 @@ def test_expected_loss_and_reward_gradients(categorical, dtype, tol):
 
 
 def test_monte_carlo_means_match_exact_values():
-    logits, ref = kl_theory.example("A")
+    logits, ref = theory.example("A")
     num_samples = 20_000
     g = torch.Generator().manual_seed(1234)
     tokens = torch.multinomial(logits.softmax(-1), num_samples, replacement=True, generator=g)
     lp, ref_lp = logits.log_softmax(-1)[tokens], ref.log()[tokens]
     for name in PANEL_ESTIMATORS:
-        exact = kl_theory.expected_value(name, logits, ref).item()
-        std = kl_theory.estimator_std(name, logits, ref).item()
+        exact = theory.expected_value(name, logits, ref).item()
+        std = theory.estimator_std(name, logits, ref).item()
         sample_mean = kl_penalty(lp, ref_lp, name).mean().item()
         assert abs(sample_mean - exact) <= 5 * std / math.sqrt(num_samples), name
 
 
 @pytest.fixture(scope="module")
 def demo_output() -> str:
-    """`python -m rlhf.kl`, as a user runs it, once for the tests that read it; a fresh interpreter also
-    shows that rlhf.kl imports alone."""
-    return subprocess.run([sys.executable, "-m", "rlhf.kl"], capture_output=True, text=True, check=True,
+    """`python -m rlhf.theory`, as a user runs it, once for the tests that read it; a fresh interpreter also
+    shows that rlhf.theory imports alone."""
+    return subprocess.run([sys.executable, "-m", "rlhf.theory"], capture_output=True, text=True, check=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
 
 
@@ -384,19 +384,21 @@ def test_report_digits_are_those_of_any_machine(monkeypatch, sign):
     arithmetic prints the sign of its rounding error (k1's and k3's bias: +0.000000, never -0.000000)."""
     from helpers import nudge
 
-    from rlhf.kl import theory
+    from rlhf.theory import expectations
 
-    report, example, off_policy_example = theory.report(), theory.example, theory.off_policy_example
+    report = expectations.report()
+    example, off_policy_example = expectations.example, expectations.off_policy_example
     assert "-0.000000" not in report and "-0.000 " not in report
     nudged = lambda name, dtype=torch.float64: (nudge(example(name, dtype)[0].exp(), sign).log(),
                                                 nudge(example(name, dtype)[1], sign))
-    monkeypatch.setattr(theory, "example", nudged)
-    monkeypatch.setattr(theory, "off_policy_example", lambda name, dtype=torch.float64: (
-        *nudged(theory.OFF_POLICY_EXAMPLES[name][0], dtype), nudge(off_policy_example(name, dtype)[2], sign)))
-    assert not torch.equal(theory.example("A")[1], example("A")[1])  # nudged
-    assert theory.report() == report
-    assert theory._unless_noise(-1e-17) == 0.0 and f"{theory._unless_noise(-1e-17):+.6f}" == "+0.000000"
-    assert theory._unless_noise(-1e-6) == -1e-6  # a real difference keeps its sign
+    monkeypatch.setattr(expectations, "example", nudged)
+    monkeypatch.setattr(expectations, "off_policy_example", lambda name, dtype=torch.float64: (
+        *nudged(expectations.OFF_POLICY_EXAMPLES[name][0], dtype), nudge(off_policy_example(name, dtype)[2], sign)))
+    assert not torch.equal(expectations.example("A")[1], example("A")[1])  # nudged
+    assert expectations.report() == report
+    noise = expectations._unless_noise(-1e-17)
+    assert noise == 0.0 and f"{noise:+.6f}" == "+0.000000"
+    assert expectations._unless_noise(-1e-6) == -1e-6  # a real difference keeps its sign
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -413,9 +415,9 @@ def off_policy(request):
     """(name, logits, ref_probs, old_probs, and pi, ref, old as float64 numpy): docs/kl.md's example C, and
     example B's pi and ref with tokens sampled from the uniform distribution."""
     if request.param == "C":
-        logits, ref, old = kl_theory.off_policy_example("C")
+        logits, ref, old = theory.off_policy_example("C")
     else:
-        logits, ref = kl_theory.example("B")
+        logits, ref = theory.example("B")
         old = torch.full((4,), 0.25, dtype=torch.float64)
     return request.param, logits, ref, old, logits.softmax(-1).numpy(), ref.numpy(), old.numpy()
 
@@ -457,10 +459,10 @@ def test_rho_in_graph_rule():
 def test_off_policy_expected_values(off_policy, name):
     case, logits, ref, old, pi, ref_np, old_np = off_policy
     value, _ = numpy_reference(name, np.log(pi), np.log(ref_np))
-    corrected = kl_theory.expected_off_policy_value(name, logits, ref, old, corrected=True).item()
-    uncorrected = kl_theory.expected_off_policy_value(name, logits, ref, old, corrected=False).item()
+    corrected = theory.expected_off_policy_value(name, logits, ref, old, corrected=True).item()
+    uncorrected = theory.expected_off_policy_value(name, logits, ref, old, corrected=False).item()
     # E_old[rho X] = E_pi[X], X's on-policy mean (bias included: k2, abs)
-    assert corrected == pytest.approx(kl_theory.expected_value(name, logits, ref).item(), rel=1e-12)
+    assert corrected == pytest.approx(theory.expected_value(name, logits, ref).item(), rel=1e-12)
     assert corrected == pytest.approx(float(pi @ value), rel=1e-12)
     assert uncorrected == pytest.approx(float(old_np @ value), rel=1e-12)
     if case == "C":
@@ -474,8 +476,8 @@ def test_off_policy_expected_values(off_policy, name):
 def test_off_policy_expected_loss_gradients(off_policy, name):
     case, logits, ref, old, pi, ref_np, old_np = off_policy
     rev, _, two_tv = analytic_grads(pi, ref_np)
-    corrected = kl_theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=True).numpy()
-    uncorrected = kl_theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=False).numpy()
+    corrected = theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=True).numpy()
+    uncorrected = theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=False).numpy()
     close = dict(rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(uncorrected, hand_off_policy_grad(name, pi, ref_np, old_np, "none"), **close)
     rule = "graph" if name in IN_GRAPH_NAMES else "detached"
@@ -487,7 +489,7 @@ def test_off_policy_expected_loss_gradients(off_policy, name):
             assert np.abs(uncorrected - rev).max() > 0.05
     else:  # abs: rho detached keeps its on-policy loss gradient, 2 grad TV(pi, ref), not a KL gradient
         np.testing.assert_allclose(corrected, two_tv, **close)
-        np.testing.assert_allclose(corrected, kl_theory.expected_loss_grad(name, logits, ref).numpy(), **close)
+        np.testing.assert_allclose(corrected, theory.expected_loss_grad(name, logits, ref).numpy(), **close)
         assert np.abs(corrected - rev).max() > 0.05
         if case == "C":
             assert np.abs(uncorrected - two_tv).max() > 0.05
@@ -509,14 +511,14 @@ def test_off_policy_other_weighting_is_biased(off_policy, name):
         np.testing.assert_allclose(grad, fwd, **close)  # detached rho: k3's on-policy loss, the forward KL
     elif name.endswith("+") or base == "k2":
         # rho in the graph adds E_pi[X grad log pi], X's reward-placement gradient, to the exact one
-        reward = kl_theory.expected_reward_grad(base, logits, ref).numpy()
+        reward = theory.expected_reward_grad(base, logits, ref).numpy()
         np.testing.assert_allclose(grad, rev + reward, **close)
     else:  # abs with rho in the graph: grad E_pi|d|, the gradient of a value biased high
 
         def mean_abs(z, q):
             return (z.softmax(-1) * (z.log_softmax(-1) - q.log()).abs()).sum()
 
-        np.testing.assert_allclose(grad, kl_theory.divergence_grad(mean_abs, logits, ref).numpy(), **close)
+        np.testing.assert_allclose(grad, theory.divergence_grad(mean_abs, logits, ref).numpy(), **close)
         assert np.abs(grad - two_tv).max() > 0.05
     if base == "k1" and name.endswith("+"):
         np.testing.assert_allclose(grad, 2 * rev, **close)  # k1+ in the graph: twice the gradient
@@ -525,14 +527,14 @@ def test_off_policy_other_weighting_is_biased(off_policy, name):
 
 def test_example_c_numbers():
     """docs/kl.md's worked example C, pinned."""
-    logits, ref, old = kl_theory.off_policy_example("C")
-    assert kl_theory.OFF_POLICY_EXAMPLES["C"] == ("A", (0.4, 0.3, 0.2, 0.1))
+    logits, ref, old = theory.off_policy_example("C")
+    assert theory.OFF_POLICY_EXAMPLES["C"] == ("A", (0.4, 0.3, 0.2, 0.1))
 
     def corrected(name):
-        return kl_theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=True).numpy()
+        return theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=True).numpy()
 
     def uncorrected(name):
-        return kl_theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=False).numpy()
+        return theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=False).numpy()
 
     def by_hand(name, weighting):
         return weighted_loss_grad(name, logits, ref, old, weighting)
@@ -557,7 +559,7 @@ def test_example_c_numbers():
     for got, want in pinned:
         np.testing.assert_allclose(got, want, atol=1e-6)
     for name, want in (("k1", 0.244174), ("k3", 0.244174), ("k2", 0.209427), ("abs", 0.558366)):
-        value = kl_theory.expected_off_policy_value(name, logits, ref, old, corrected=True).item()
+        value = theory.expected_off_policy_value(name, logits, ref, old, corrected=True).item()
         assert value == pytest.approx(want, abs=1e-6)
 
 
@@ -632,9 +634,9 @@ def test_demo_prints_the_off_policy_table(demo_output):
     rows = {}
     for line in section.replace("in graph", "in-graph").splitlines():
         cells = line.split()
-        if cells and cells[0] in kl_theory.REPORT_ESTIMATORS:
+        if cells and cells[0] in theory.REPORT_ESTIMATORS:
             rows[cells[0]] = cells[1:]
-    assert list(rows) == list(kl_theory.REPORT_ESTIMATORS)
+    assert list(rows) == list(theory.REPORT_ESTIMATORS)
     for name, cells in rows.items():
         assert len(cells) == 10, name
         assert cells[0] == ("in-graph" if name in IN_GRAPH_NAMES else "detached"), name
@@ -881,8 +883,8 @@ def test_canonical_refuses_unknown_names():
 
 
 def test_demo_prints_the_fixed_points_and_the_frameworks_table(demo_output):
-    from rlhf.kl.fixed_points import advantage_report, fixed_point_report
-    from rlhf.kl.peers import peer_report
+    from rlhf.theory.fixed_point_tables import advantage_report, fixed_point_report
+    from rlhf.theory.peers import peer_report
 
     assert fixed_point_report() in demo_output and peer_report() in demo_output
     assert advantage_report() in demo_output

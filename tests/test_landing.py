@@ -10,6 +10,8 @@ that changes what is learned moves where a run lands.
 import json
 import math
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -19,9 +21,10 @@ from accelerate import Accelerator
 import train
 from rlhf import synthetic
 from rlhf.config import load_config
-from rlhf.kl import fixed_points as fp
 from rlhf.landing import Landing, start_landing
 from rlhf.setup import setup
+from rlhf.theory import examples, optima
+from rlhf.theory.fixed_points import bandit_fixed_point
 from rlhf.tracking import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,6 +35,28 @@ def task_config(task, tmp_path, *overrides):
     return load_config(os.path.join(CONFIGS, f"{task}.yaml"),
                        [f"trainer.output_dir={tmp_path}/run", f"trainer.cache_dir={tmp_path.parent}/synthetic-cache",
                         "trainer.logger=none", *overrides])
+
+
+def test_only_a_synthetic_task_loads_the_analysis():
+    """rlhf.theory (the fixed-point solver, the optima, the reports) loads only for a synthetic task: a fresh
+    interpreter that imports the trainer, then loads, checks and asks for the landing of the embedded default's
+    and GSM8K's configs, has imported none of it; the bandit's and the tree's tables then import it."""
+    code = (
+        "import sys, train\n"
+        "from rlhf import synthetic\n"
+        "from rlhf.config import load_config, warnings_for\n"
+        "from rlhf.landing import start_landing\n"
+        "for name in ('tiny', 'gsm8k_qwen2.5_0.5b'):\n"
+        "    cfg = load_config(f'configs/{name}.yaml')\n"
+        "    warnings_for(cfg)\n"
+        "    assert start_landing(cfg, None, None) is None\n"
+        "print(sorted(m for m in sys.modules if m.startswith('rlhf.theory')))\n"
+        "synthetic.reward_table('tree', cfg.synthetic)\n"
+        "print('rlhf.theory.examples' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(CONFIGS)).stdout
+    assert out.split() == ["[]", "True"]
 
 
 def test_the_theory_uses_the_configured_reward(tmp_path, monkeypatch):
@@ -50,10 +75,10 @@ def test_the_theory_uses_the_configured_reward(tmp_path, monkeypatch):
     assert torch.equal(landing.rewards, expected)
     ref = synthetic.policy(run.models[0], "bandit")
     assert torch.equal(landing.ref, ref)
-    rev = fp.reverse_kl_optimum(ref, expected, 0.3)
-    assert fp.tv(landing.candidates["fixed_point"], rev) < 1e-10
+    rev = optima.reverse_kl_optimum(ref, expected, 0.3)
+    assert optima.tv(landing.candidates["fixed_point"], rev) < 1e-10
     metrics = landing.metrics(run.models[0])  # the actor is still pi_ref
-    assert metrics["theory/tv_to_reverse_optimum"] == pytest.approx(fp.tv(ref, rev), abs=1e-12)
+    assert metrics["theory/tv_to_reverse_optimum"] == pytest.approx(optima.tv(ref, rev), abs=1e-12)
     assert metrics["theory/kl"] == pytest.approx(0.0, abs=1e-12)
     assert metrics["theory/expected_reward"] == pytest.approx(ref[3].item(), abs=1e-12)
 
@@ -70,8 +95,9 @@ def test_the_fixed_point_follows_the_advantage_estimator(tmp_path):
         landing = start_landing(cfg, Accelerator(cpu=True), run)
         points[label] = landing
     ref, rewards = points["rloo"].ref, points["rloo"].rewards
-    assert fp.tv(points["rloo"].candidates["fixed_point"], fp.reverse_kl_optimum(ref, rewards, 0.3)) < 1e-9
-    assert fp.tv(points["drgrpo"].candidates["fixed_point"], fp.reverse_kl_optimum(ref, rewards, 0.3 * 8 / 7)) < 1e-9
+    assert optima.tv(points["rloo"].candidates["fixed_point"], optima.reverse_kl_optimum(ref, rewards, 0.3)) < 1e-9
+    drgrpo_optimum = optima.reverse_kl_optimum(ref, rewards, 0.3 * 8 / 7)
+    assert optima.tv(points["drgrpo"].candidates["fixed_point"], drgrpo_optimum) < 1e-9
     assert points["rloo"].label == "k3+ in the loss, rloo (n = 8)"
     assert points["drgrpo"].label == "k3+ in the loss, grpo (n = 8)"
 
@@ -118,13 +144,13 @@ def test_the_trainer_lands_where_the_theory_says(claim, tmp_path):
     final = record["metrics"]
     # the analysis's own fixed point for this run is the textbook point the claim names
     point = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
-    assert fp.tv(point(record["candidates"]["fixed_point"]), point(record["candidates"][target])) < 1e-6
+    assert optima.tv(point(record["candidates"]["fixed_point"]), point(record["candidates"][target])) < 1e-6
     assert final[f"theory/tv_to_{target}"] <= tolerance, final
     for other in others:
         assert final[f"theory/tv_to_{other}"] >= apart, (other, final)
     # logged every step, from where it started: step 0 is pi_ref, as far from the target as the theory says
     start = rows[0][f"theory/tv_to_{target}"]
-    assert start == pytest.approx(fp.tv(point(record["ref"]), point(record["candidates"][target])), abs=1e-12)
+    assert start == pytest.approx(optima.tv(point(record["ref"]), point(record["candidates"][target])), abs=1e-12)
     assert [r["step"] for r in rows if f"theory/tv_to_{target}" in r] == list(range(len(rows)))
 
 
@@ -180,21 +206,21 @@ def test_the_solver_from_a_runs_end_tells_another_stable_point_from_a_run_not_th
     there (landed) has no row."""
     from rlhf.compare.landing import Cell, from_the_end_rows
 
-    ex = fp.example(fp.BANDIT_EXAMPLE)
+    ex = examples.example(examples.BANDIT_EXAMPLE)
     ref, rewards, beta = ex["ref_probs"], ex["rewards"], ex["beta"]
 
     def record(estimator, placement, policy):
-        point = fp.bandit_fixed_point(ref, rewards, beta, estimator, placement)
+        point = bandit_fixed_point(ref, rewards, beta, estimator, placement)
         solver = {"estimator": estimator, "placement": placement, "advantage": "exact", "n": None}
         return {"task": "bandit", "beta": beta, "solver": solver, "ref": ref.tolist(), "rewards": rewards.tolist(),
                 "policy": policy.tolist(), "candidates": {"fixed_point": point.tolist()},
-                "metrics": {"theory/tv_to_fixed_point": fp.tv(policy, point)}}
+                "metrics": {"theory/tv_to_fixed_point": optima.tv(policy, point)}}
 
-    other = fp.reward_stationary_point(ref, rewards, beta, "k2", torch.tensor([False, False, False, True]))
-    assert fp.tv(other, fp.bandit_fixed_point(ref, rewards, beta, "k2", "reward")) > 0.1  # another point
-    reverse = fp.reverse_kl_optimum(ref, rewards, beta)
+    other = optima.reward_stationary_point(ref, rewards, beta, "k2", torch.tensor([False, False, False, True]))
+    assert optima.tv(other, bandit_fixed_point(ref, rewards, beta, "k2", "reward")) > 0.1  # another point
+    reverse = optima.reverse_kl_optimum(ref, rewards, beta)
     halfway = (ref + reverse) / 2
-    assert fp.tv(halfway, reverse) > 0.1
+    assert optima.tv(halfway, reverse) > 0.1
     cells = [Cell("rloo", "reward:k2", {1: record("k2", "reward", other)}),
              Cell("rloo", "loss:k3+", {1: record("k3+", "loss", halfway)}),
              Cell("rloo", "loss:k2", {1: record("k2", "loss", reverse)})]
@@ -210,15 +236,15 @@ def test_the_solver_starts_a_tree_from_a_runs_end():
     there; started from it, it stays."""
     from rlhf.landing import fixed_point
 
-    ex = fp.example(fp.TREE_EXAMPLE)
+    ex = examples.example(examples.TREE_EXAMPLE)
     ref = ex["ref_first"][:, None] * ex["ref_second"]
     corner = torch.zeros(3, 3, dtype=torch.float64)
     corner[1, 2] = 1.0
-    first, second = fp.sequence_optimum(ex["ref_first"], ex["ref_second"], ex["rewards"], ex["beta"])
+    first, second = optima.sequence_optimum(ex["ref_first"], ex["ref_second"], ex["rewards"], ex["beta"])
     optimum = first[:, None] * second
     for start in (corner, optimum):
         end = fixed_point("tree", ref, ex["rewards"], ex["beta"], "k1", "reward", "exact", None, start=start)
-        assert fp.tv(end, optimum) < 1e-9
+        assert optima.tv(end, optimum) < 1e-9
 
 
 def test_the_tree_report_sets_the_cells_that_did_not_land_against_the_plain_gradient_path():
@@ -226,7 +252,7 @@ def test_the_tree_report_sets_the_cells_that_did_not_land_against_the_plain_grad
     tests/test_fixed_points.py) is at it, one elsewhere is not; a landed cell has no row, grpo no path."""
     from rlhf.compare.landing import Cell, plain_flow_rows
 
-    ex = fp.example(fp.TREE_EXAMPLE)
+    ex = examples.example(examples.TREE_EXAMPLE)
     ref = ex["ref_first"][:, None] * ex["ref_second"]
     corner = torch.zeros(3, 3, dtype=torch.float64)
     corner[1, 2] = 1.0

@@ -25,7 +25,7 @@ def test_notebook_is_stored_with_outputs_cleared():
 
 def test_notebook_imports_rlhf_instead_of_copying_it():
     source = "\n".join(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code")
-    for use in ("from rlhf import compare, kl, kl_theory", "kl.kl_penalty(", "kl_theory.expected_loss_grad",
+    for use in ("from rlhf import compare, kl, theory", "kl.kl_penalty(", "theory.expected_loss_grad",
                 "kl.full_kl(", "compare.main("):
         assert use in source, use
     assert "def kl_penalty" not in source and "def expected_loss_grad" not in source

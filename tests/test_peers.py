@@ -1,7 +1,7 @@
-"""Tests for rlhf/kl/peers.py: every computed cell of the frameworks' table, exactly, in float64.
+"""Tests for rlhf/theory/peers.py: every computed cell of the frameworks' table, exactly, in float64.
 
 Each row's expected gradient is checked against a closed form written here, E_w[f(x) grad log pi(x)] =
-w * f - pi * sum(w * f) for sampling weights w and a per-token factor f, and against rlhf.kl_theory's own
+w * f - pi * sum(w * f) for sampling weights w and a per-token factor f, and against rlhf.theory's own
 enumerations; the verdict of each row is pinned, so changing a row's estimator, placement or weight fails.
 """
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import nudge
 
-from rlhf import kl_theory
-from rlhf.kl import peers
-from rlhf.kl.peers import PEERS, PeerDefault, on_policy_equivalent, peer_cells, peer_kl_grad, peer_report, verdict
+from rlhf import theory
+from rlhf.theory import peers
+from rlhf.theory.peers import PEERS, PeerDefault, on_policy_equivalent, peer_cells, peer_kl_grad, peer_report, verdict
 
 TOL = 1e-10
 
@@ -83,8 +83,8 @@ def closed_form(peer: PeerDefault, logits, ref, old=None) -> torch.Tensor:
 
 @pytest.mark.parametrize("peer", PEERS, ids=IDS)
 def test_row_gradients_equal_their_closed_form(peer):
-    logits, ref = kl_theory.example("A")
-    c_logits, c_ref, c_old = kl_theory.off_policy_example("C")
+    logits, ref = theory.example("A")
+    c_logits, c_ref, c_old = theory.off_policy_example("C")
     torch.testing.assert_close(peer_kl_grad(peer, logits, ref), closed_form(peer, logits, ref), rtol=0, atol=TOL)
     torch.testing.assert_close(
         peer_kl_grad(peer, c_logits, c_ref, c_old), closed_form(peer, c_logits, c_ref, c_old), rtol=0, atol=TOL
@@ -104,12 +104,12 @@ def test_every_row_is_pinned():
 
 @pytest.mark.parametrize("name", ["A", "B"])
 @pytest.mark.parametrize("peer", PEERS, ids=IDS)
-def test_on_policy_agrees_with_kl_theory(peer, name):
+def test_on_policy_agrees_with_theory(peer, name):
     """On-policy: a 'none' loss is expected_loss_grad, a reward expected_reward_grad, and a weight in the graph
     (rho, unit) adds the reward gradient to the loss one."""
-    logits, ref = kl_theory.example(name)
-    loss = kl_theory.expected_loss_grad(peer.estimator, logits, ref)
-    reward = kl_theory.expected_reward_grad(peer.estimator, logits, ref)
+    logits, ref = theory.example(name)
+    loss = theory.expected_loss_grad(peer.estimator, logits, ref)
+    reward = theory.expected_reward_grad(peer.estimator, logits, ref)
     expected = {"none": loss, "rho": loss + reward, "unit": loss + reward}[peer.correction]
     if peer.placement == "reward":
         expected = reward
@@ -117,29 +117,29 @@ def test_on_policy_agrees_with_kl_theory(peer, name):
 
 
 @pytest.mark.parametrize("peer", [p for p in PEERS if p.placement == "loss" and p.correction != "unit"], ids=str)
-def test_off_policy_loss_agrees_with_kl_theory(peer):
-    """Off-policy, 'none' is kl_theory's uncorrected loss and k3's 'rho' its corrected one (rho in the graph)."""
-    logits, ref, old = kl_theory.off_policy_example("C")
+def test_off_policy_loss_agrees_with_theory(peer):
+    """Off-policy, 'none' is theory's uncorrected loss and k3's 'rho' its corrected one (rho in the graph)."""
+    logits, ref, old = theory.off_policy_example("C")
     corrected = peer.correction == "rho"
-    expected = kl_theory.expected_off_policy_loss_grad(peer.estimator, logits, ref, old, corrected)
+    expected = theory.expected_off_policy_loss_grad(peer.estimator, logits, ref, old, corrected)
     torch.testing.assert_close(peer_kl_grad(peer, logits, ref, old), expected, rtol=0, atol=TOL)
 
 
 def test_unit_weight_is_k2_per_sample():
     """NeMo-RL's exp(lp - sg(lp)) * k3 has k2's gradient (k3 + k3' = d): on- and off-policy alike."""
     (nemo,) = [p for p in PEERS if p.correction == "unit"]
-    logits, ref, old = kl_theory.off_policy_example("C")
-    k2 = kl_theory.expected_off_policy_loss_grad("k2", logits, ref, old, corrected=False)
+    logits, ref, old = theory.off_policy_example("C")
+    k2 = theory.expected_off_policy_loss_grad("k2", logits, ref, old, corrected=False)
     torch.testing.assert_close(peer_kl_grad(nemo, logits, ref, old), k2, rtol=0, atol=TOL)
 
 
 @pytest.mark.parametrize("peer", PEERS, ids=IDS)
 def test_biased_cells_are_far_from_the_reverse_kl_gradient(peer):
     """A 'biased' or forward-KL verdict is a measured gap, not a rounding: max |grad - grad KL| > 0.05."""
-    for args in (kl_theory.example("A"), kl_theory.off_policy_example("C")):
+    for args in (theory.example("A"), theory.off_policy_example("C")):
         logits, ref = args[:2]
         grad = peer_kl_grad(peer, *args)
-        gap = (grad - kl_theory.divergence_grad(kl_theory.reverse_kl, logits, ref)).abs().max()
+        gap = (grad - theory.divergence_grad(theory.reverse_kl, logits, ref)).abs().max()
         if verdict(grad, logits, ref) == "exact":
             assert gap <= TOL
         else:
@@ -149,9 +149,9 @@ def test_biased_cells_are_far_from_the_reverse_kl_gradient(peer):
 @pytest.mark.parametrize("name", ["A", "B"])
 @pytest.mark.parametrize("peer", PEERS, ids=IDS)
 def test_on_policy_equivalent_has_the_same_gradient(peer, name):
-    logits, ref = kl_theory.example(name)
+    logits, ref = theory.example(name)
     estimator, placement = on_policy_equivalent(peer)
-    grad = {"loss": kl_theory.expected_loss_grad, "reward": kl_theory.expected_reward_grad}[placement]
+    grad = {"loss": theory.expected_loss_grad, "reward": theory.expected_reward_grad}[placement]
     torch.testing.assert_close(peer_kl_grad(peer, logits, ref), grad(estimator, logits, ref), rtol=0, atol=TOL)
 
 
@@ -159,7 +159,7 @@ def test_bad_rows_raise():
     row = PEERS[0]
     for bad in (dict(placement="both"), dict(correction="clipped")):
         with pytest.raises(ValueError, match="placement must be one of"):
-            peer_kl_grad(PeerDefault(**{**row.__dict__, **bad}), *kl_theory.example("A"))
+            peer_kl_grad(PeerDefault(**{**row.__dict__, **bad}), *theory.example("A"))
     with pytest.raises(ValueError, match="no on-policy equivalent"):
         on_policy_equivalent(PeerDefault(**{**row.__dict__, "estimator": "k2", "correction": "rho"}))
 
@@ -178,7 +178,7 @@ def test_report_lists_every_row_and_source():
 @pytest.mark.parametrize("peer", PEERS, ids=IDS)
 def test_fixed_points_equal_the_named_optimum(peer):
     """The fixed point equals its named optimum to 1e-10, and the bandit tells the three optima apart."""
-    from rlhf.kl.fixed_points import argmax_optimum, forward_kl_optimum, reverse_kl_optimum
+    from rlhf.theory.optima import argmax_optimum, forward_kl_optimum, reverse_kl_optimum
 
     ref, rewards, beta = peers.bandit()
     optima = {name: fn(ref, rewards, beta) for name, fn in
@@ -216,7 +216,7 @@ def test_a_rho_weighted_loss_stays_a_loss_under_grpo():
     (trl,) = [p for p in PEERS if p.framework == "TRL" and p.correction == "rho"]
     assert on_policy_equivalent(trl) == ("k2", "loss")
     ref, rewards, beta = peers.bandit()
-    reward_placed = kl_theory.bandit_fixed_point(ref, rewards, beta, "k1", "reward", advantage="grpo", n=8)
+    reward_placed = theory.bandit_fixed_point(ref, rewards, beta, "k1", "reward", advantage="grpo", n=8)
     assert (reward_placed - peers.peer_fixed_point(trl)).abs().max() < TOL
     assert (peers.peer_fixed_point(trl, with_advantage=True) - reward_placed).abs().max() > 0.1
 
@@ -234,6 +234,6 @@ def test_report_digits_are_those_of_any_machine(monkeypatch, sign):
     nudged = lambda name: (nudge(example(name)[0].exp(), sign).log(), nudge(example(name)[1], sign))
     monkeypatch.setattr(peers, "example", nudged)
     monkeypatch.setattr(peers, "off_policy_example", lambda name: (
-        *nudged(kl_theory.OFF_POLICY_EXAMPLES[name][0]), nudge(off_policy_example(name)[2], sign)))
+        *nudged(theory.OFF_POLICY_EXAMPLES[name][0]), nudge(off_policy_example(name)[2], sign)))
     assert not torch.equal(peers.bandit()[0], example("A")[1])  # nudged
     assert peer_report() == report

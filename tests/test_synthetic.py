@@ -6,9 +6,9 @@ import torch
 
 from rlhf import synthetic
 from rlhf.config import ConfigError, SyntheticConfig, load_config
-from rlhf.kl import fixed_points as fp
 from rlhf.models import load_causal_lm
 from rlhf.rollout import SamplingParams, generate
+from rlhf.theory import examples
 
 SMALL = SyntheticConfig(fit_steps=150)
 
@@ -36,7 +36,7 @@ def test_vocabulary_and_rows(built):
 def test_reward_tables_are_seeded():
     bandit, tree = synthetic.reward_table("bandit", SMALL), synthetic.reward_table("tree", SMALL)
     assert bandit.shape == (7,) and tree.shape == (4, 4)  # the tree: docs/kl.md's example and the prompt token
-    assert tree[1:, 1:].tolist() == [list(row) for row in fp.TREE_EXAMPLE["rewards"]] and tree[0].abs().sum() == 0
+    assert tree[1:, 1:].tolist() == [list(row) for row in examples.TREE_EXAMPLE["rewards"]] and tree[0].abs().sum() == 0
     assert torch.equal(bandit, synthetic.reward_table("bandit", SMALL))  # the same seed, the same table
     assert not torch.equal(bandit, synthetic.reward_table("bandit", SyntheticConfig(seed=1)))
     ref = synthetic.target_reference("bandit", SMALL)[0]

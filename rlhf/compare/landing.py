@@ -4,8 +4,8 @@ Every estimator (k1, k2, k3, abs, k1+, k3+, abs+, full) x placement (reward, los
 estimator of VARIANTS (RLOO, the configs' default, whose fixed points are the textbook ones; GRPO with groups of
 8 and its std; GAE with a critic, gamma = lam = 1), with paired seeds, each run a plain train.py run of
 configs/bandit.yaml or configs/tree.yaml (rlhf.compare.grid.run_grid). Each run's theory.json holds its final
-distances to its own fixed point (where the analysis of rlhf.kl.fixed_points says that estimator x placement x
-advantage estimator lands) and to every textbook candidate; `landing_report` tabulates them over seeds:
+distances to its own fixed point (where the analysis of rlhf.theory.fixed_points says that estimator x placement
+x advantage estimator lands) and to every textbook candidate; `landing_report` tabulates them over seeds:
 
 - landed: the final TV to its own fixed point, at most LANDED (0.03);
 - apart from each other candidate: the paired difference (TV to the candidate - TV to its own fixed point)
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from rlhf.compare.grid import Arm, run_dir
 from rlhf.compare.stats import Estimate, excludes_zero
-from rlhf.kl.fixed_points import ESTIMATORS, PLACEMENTS
+from rlhf.theory.fixed_points import ESTIMATORS, PLACEMENTS
 
 LANDED = 0.03  # a run has landed on a point when its final total variation to it is at most this
 CROSSOVER_RATIO = 10.0  # the crossover's margin must exceed this many standard deviations over seeds
@@ -132,7 +132,7 @@ class Cell:
     def same_point(self, candidate: str) -> bool:
         """Whether `candidate` is within LANDED of the fixed point (in TV), so that landing on one is landing on
         both."""
-        from rlhf.kl.fixed_points import tv
+        from rlhf.theory.optima import tv
         import torch
 
         first = next(iter(self.records.values()))
@@ -242,12 +242,13 @@ PLAIN_FLOW_MODELS = {"rloo": "exact", "gae": "gae"}
 
 
 def plain_flow_rows(cells: list[Cell]) -> list[str]:
-    """For each tree cell that did not land: where rlhf.kl.fixed_points.tree_plain_flow (plain gradient ascent on
+    """For each tree cell that did not land: where rlhf.theory.fixed_points.tree_plain_flow (plain gradient ascent on
     tabular logits, from the same pi_ref) ends, and each seed's final TV to that point (mean ± 95%, max). A
     cell is at that point when every seed is within LANDED of it."""
     import torch
 
-    from rlhf.kl import fixed_points as fp
+    from rlhf.theory.fixed_points import tree_plain_flow
+    from rlhf.theory.optima import tv
 
     rows = ["| advantage | run | TV to its fixed point | TV to the plain path's end | max | at the plain path's end |",
             "|---|---|---|---|---|---|"]
@@ -264,10 +265,10 @@ def plain_flow_rows(cells: list[Cell]) -> list[str]:
         first_record = next(iter(cell.records.values()))
         ref, rewards = (torch.tensor(first_record[k], dtype=torch.float64) for k in ("ref", "rewards"))
         first = ref.sum(-1)  # pi_ref is the reference model's: the same for every seed of a cell
-        f, s = fp.tree_plain_flow(first, ref / first[:, None], rewards, first_record["beta"], estimator, placement,
-                                  advantage=PLAIN_FLOW_MODELS[cell.variant])
+        f, s = tree_plain_flow(first, ref / first[:, None], rewards, first_record["beta"], estimator, placement,
+                               advantage=PLAIN_FLOW_MODELS[cell.variant])
         end = f[:, None] * s
-        tvs = Estimate(tuple(fp.tv(torch.tensor(cell.records[seed]["policy"], dtype=torch.float64), end)
+        tvs = Estimate(tuple(tv(torch.tensor(cell.records[seed]["policy"], dtype=torch.float64), end)
                              for seed in sorted(cell.records)))
         at = "yes" if max(tvs.values) <= LANDED else "**no**"
         rows.append(f"| {cell.variant} | {cell.arm} | {_fmt(own)} | {_fmt(tvs)} | {max(tvs.values):.3f} | {at} |")
@@ -287,8 +288,8 @@ def from_the_end_rows(cells: list[Cell]) -> list[str]:
     it is visited) and can reach different stable points: plain_flow_rows speaks for the tree."""
     import torch
 
-    from rlhf.kl import fixed_points as fp
     from rlhf.landing import fixed_point_from
+    from rlhf.theory.optima import tv
 
     rows = ["| advantage | run | TV to its fixed point | TV the solver moves it | TV from there to its fixed point "
             "| seeds: landed / stays / to its fixed point / elsewhere |", "|---|---|---|---|---|---|"]
@@ -301,8 +302,8 @@ def from_the_end_rows(cells: list[Cell]) -> list[str]:
             record = cell.records[seed]
             end = torch.tensor(record["policy"], dtype=torch.float64)
             after = fixed_point_from(record, end)
-            moved.append(fp.tv(end, after))
-            left.append(fp.tv(after, torch.tensor(record["candidates"]["fixed_point"], dtype=torch.float64)))
+            moved.append(tv(end, after))
+            left.append(tv(after, torch.tensor(record["candidates"]["fixed_point"], dtype=torch.float64)))
             if record["metrics"]["theory/tv_to_fixed_point"] <= LANDED:
                 verdict = "landed"
             elif moved[-1] <= LANDED:
@@ -337,7 +338,7 @@ def landing_report(output_dir: str, seeds: list[int], task: str, runs=LANDING_GR
                   *from_the_end_rows(cells)]
     if task == "tree" and missed:
         lines += ["", "Where there are several stable points, the path decides. The cells that did not land, against "
-                  "where plain gradient ascent on tabular logits ends from the same pi_ref (rlhf.kl.fixed_points."
+                  "where plain gradient ascent on tabular logits ends from the same pi_ref (rlhf.theory.fixed_points."
                   "tree_plain_flow; the solver's natural gradient moves every prefix at full speed, the plain "
                   "gradient each prefix by how often it is visited):", "", *plain_flow_rows(cells)]
     text = "\n".join(lines) + "\n"

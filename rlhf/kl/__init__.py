@@ -31,19 +31,13 @@ Sources: J. Schulman, "Approximating KL Divergence" (2020) for k1/k2/k3; Shao et
 uses k3 as a loss); Tang & Munos arXiv:2506.09477 and Zhang et al. arXiv:2505.17508 (which gradient each
 placement gives); Liu et al. arXiv:2510.01555 (k2 as a loss == k1 in the reward); Amini et al.
 arXiv:2504.10637 (full-vocabulary KL); DeepSeek-V3.2 report, section 3.1 (importance-weighted k3). The maths,
-the off-policy section and the numbers the tests use are in docs/kl.md; exact expectations by enumeration
-live in `rlhf.kl_theory`.
-
-Run `python -m rlhf.kl` to print, for small categorical examples, each estimator's exact mean, bias
-and std, its expected loss/reward gradient against grad KL(pi || ref), and (example C) the same off-policy,
-uncorrected and corrected; then where each estimator x placement converges on a bandit and a two-token tree
-(fixed_points.py) and where the trainer's advantage estimators move that (advantage_models.py), and what the
-big frameworks' default KL settings give (peers.py).
+the off-policy section and the numbers the tests use are in docs/kl.md; the exact analysis (expectations by
+enumeration, where each estimator x placement converges, the frameworks' defaults) is the package rlhf.theory,
+which `python -m rlhf.theory` prints and which this module never imports.
 
 The code, re-exported here: estimators.py (the sampled estimators, every estimator's name, kl_penalty,
 kl_per_token for any name, needs_logits, kl_panel), exact.py (full_kl), controllers.py (the KL coefficient in
-the reward). Not loaded by `import rlhf.kl`: theory.py (the enumeration behind the report; its public name is
-`rlhf.kl_theory`), fixed_points.py, advantage_models.py and peers.py.
+the reward).
 """
 
 from rlhf.kl.controllers import (

@@ -1,12 +1,22 @@
-"""Exact expectations of the KL estimators by enumeration: the public name of `rlhf.kl.theory`.
+"""The exact analysis of the KL estimators: every expectation a sum over a small vocabulary, no sampling.
 
-Docs, tests and the notebook call `rlhf.kl_theory.report`, `rlhf.kl_theory.expected_loss_grad`, ...; the
-code lives in rlhf/kl/theory.py (its docstring says what each function computes) and this module re-exports
-its public names.
+- expectations.py: each estimator's exact mean, std and expected loss/reward gradient, on- and off-policy, on
+  docs/kl.md's examples A, B and C, and the estimator table (`report`);
+- fixed_points.py: where training by exact expected gradients converges, for each estimator x placement, on a
+  bandit and a two-token tree (`bandit_fixed_point`, `tree_fixed_point`);
+- advantage_models.py: the trainer's advantage estimators (rloo, grpo, drgrpo, gae) in expectation, for the
+  solver;
+- optima.py: the analytic optima the fixed points are compared with, and which one each setting reaches;
+- examples.py: the bandit and tree examples of the fixed-point tables (the synthetic tree task uses the tree);
+- fixed_point_tables.py: the fixed-point and advantage-estimator tables;
+- peers.py: what the big frameworks' default KL settings give, and their table.
+
+`python -m rlhf.theory` prints the tables docs/kl.md quotes. The trainer imports this package only for the
+synthetic tasks (rlhf/landing.py, rlhf/synthetic.py); the KL module itself is rlhf.kl. The expectations and the
+two solvers are re-exported here: `from rlhf import theory; theory.expected_loss_grad(...)`.
 """
 
-from rlhf.kl.fixed_points import bandit_fixed_point, tree_fixed_point
-from rlhf.kl.theory import (
+from rlhf.theory.expectations import (
     EXAMPLES,
     OFF_POLICY_EXAMPLES,
     REPORT_ESTIMATORS,
@@ -24,4 +34,4 @@ from rlhf.kl.theory import (
     reverse_kl,
     total_variation,
 )
-
+from rlhf.theory.fixed_points import bandit_fixed_point, tree_fixed_point

@@ -1,12 +1,10 @@
-"""`python -m rlhf.kl`: the exact estimator report of `rlhf.kl.theory` (docs/kl.md's examples A, B and C),
-then where each estimator x placement converges (`rlhf.kl.fixed_points`) and how the trainer's advantage
-estimators move that, then what the big frameworks' default KL settings give (`rlhf.kl.peers`).
+"""`python -m rlhf.theory`: the exact estimator report (expectations.py: docs/kl.md's examples A, B and C), then
+where each estimator x placement converges and how the trainer's advantage estimators move that
+(fixed_point_tables.py), then what the big frameworks' default KL settings give (peers.py)."""
 
-A separate module so that `rlhf.kl` never imports `rlhf.kl.theory`, which imports it."""
-
-from rlhf.kl.fixed_points import advantage_report, fixed_point_report
-from rlhf.kl.peers import peer_report
-from rlhf.kl.theory import report
+from rlhf.theory.expectations import report
+from rlhf.theory.fixed_point_tables import advantage_report, fixed_point_report
+from rlhf.theory.peers import peer_report
 
 print(report())
 print("\nWhere each estimator x placement converges (docs/kl.md, 'Where each estimator converges')\n")
