@@ -62,8 +62,7 @@ def task_metrics(cfg: Config, accelerator: Accelerator, num_val: int) -> dict:
     from rlhf.embedded import prepare_embedded_default
     from rlhf.habit import habit_metric
 
-    cache_dir = cfg.trainer.cache_dir or os.path.join(cfg.trainer.output_dir, "embedded")
-    artifacts = prepare_embedded_default(cache_dir, cfg.embedded, log=lambda *_: None)  # cached by now
+    artifacts = prepare_embedded_default(embedded_cache_dir(cfg), cfg.embedded, log=lambda *_: None)  # cached by now
     answers = load_gsm8k(artifacts.val_file, cfg.data.val_split, cfg.data.subset)["answer"]
     if cfg.data.max_val_samples:
         answers = answers[:cfg.data.max_val_samples]
@@ -130,25 +129,36 @@ def prepare_data_and_models(cfg: Config, accelerator: Accelerator):
     if "embedded" in (model_path, train_source, val_source):
         from rlhf.embedded import prepare_embedded_default
 
-        cache_dir = cfg.trainer.cache_dir or os.path.join(cfg.trainer.output_dir, "embedded")
         with accelerator.main_process_first():  # rank 0 builds the cache; the others then read it
-            artifacts = prepare_embedded_default(cache_dir, cfg.embedded, log=accelerator.print)
+            artifacts = prepare_embedded_default(embedded_cache_dir(cfg), cfg.embedded, log=accelerator.print)
         model_path = artifacts.model_dir if model_path == "embedded" else model_path
         train_source = artifacts.train_file if train_source == "embedded" else train_source
         val_source = artifacts.val_file if val_source == "embedded" else val_source
 
     tokenizer = load_tokenizer(model_path)
     train_set = load_gsm8k(train_source, cfg.data.train_split, cfg.data.subset)
-    val_set = load_gsm8k(val_source, cfg.data.val_split, cfg.data.subset)
-    if cfg.data.max_val_samples:
-        val_set = val_set.select(range(min(cfg.data.max_val_samples, len(val_set))))
     train_set, dropped_train = tokenize_prompts(train_set, tokenizer, cfg.data.max_prompt_length)
-    val_set, dropped_val = tokenize_prompts(val_set, tokenizer, cfg.data.max_prompt_length)
+    val_set, dropped_val = load_held_out(cfg, tokenizer, val_source)
     if dropped_train or dropped_val:
         accelerator.print(f"filtered prompts longer than data.max_prompt_length={cfg.data.max_prompt_length}: "
                           f"{dropped_train} train, {dropped_val} held-out")
 
     return (tokenizer, train_set, val_set, *load_models(cfg, model_path))
+
+
+def embedded_cache_dir(cfg: Config) -> str:
+    """Where the embedded default is built and cached: trainer.cache_dir, else <output_dir>/embedded."""
+    return cfg.trainer.cache_dir or os.path.join(cfg.trainer.output_dir, "embedded")
+
+
+def load_held_out(cfg: Config, tokenizer, val_source: str):
+    """The held-out problems of `val_source` (a hub dataset name or a local file; "embedded" resolved already),
+    the first data.max_val_samples of them, as prompt token ids (rlhf.data.tokenize_prompts): returns
+    (val_set, how many prompts were dropped as longer than data.max_prompt_length)."""
+    val_set = load_gsm8k(val_source, cfg.data.val_split, cfg.data.subset)
+    if cfg.data.max_val_samples:
+        val_set = val_set.select(range(min(cfg.data.max_val_samples, len(val_set))))
+    return tokenize_prompts(val_set, tokenizer, cfg.data.max_prompt_length)
 
 
 def load_models(cfg: Config, model_path: str):
