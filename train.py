@@ -35,13 +35,13 @@ import yaml
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from rlhf import core_algos, evaluation, kl, ppo, rewards
+from rlhf import core_algos, evaluation, export, kl, ppo, rewards
 from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_steps_message, check_resumable,
                              latest_checkpoint, save_checkpoint)
 from rlhf.labels import kl_tags
 from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
 from rlhf.landing import start_landing
-from rlhf.processes import (mean_over_processes, process_share, stop_rule, sum_over_processes,
+from rlhf.processes import (launch_warnings, mean_over_processes, process_share, stop_rule, sum_over_processes,
                             token_weighted_means)
 from rlhf.rollout import (SamplingParams, generate, is_stop_token, left_pad, logprobs_and_logits,
                           paired_noise_generator, response_values, slice_batch, stop_token_ids)
@@ -306,8 +306,11 @@ def main(cfg: Config) -> dict[str, float]:
 
     def checkpoint(step: int) -> str:
         state.step, state.sampler, state.kl_ctrl = step, run.sampler.state_dict(), run.kl_ctrl.state_dict()
-        return save_checkpoint(accelerator, out_dir, step, cfg.trainer.max_ckpt_to_keep,
+        path = save_checkpoint(accelerator, out_dir, step, cfg.trainer.max_ckpt_to_keep,
                                info={"adv_estimator": cfg.algorithm.adv_estimator})
+        if cfg.trainer.save_model_with_checkpoints:  # <checkpoint>/model, for from_pretrained (rlhf/export.py)
+            export.save_model(accelerator, run, cfg, export.model_dir(path))
+        return path
 
     total = cfg.trainer.total_steps
     metrics: dict[str, float] = {}
@@ -352,6 +355,7 @@ def main(cfg: Config) -> dict[str, float]:
         logger.finish()
     if landing and accelerator.is_main_process:  # pi_ref, the final policy and every candidate
         landing.write(os.path.join(out_dir, "theory.json"), accelerator.unwrap_model(run.models[0]))
+    export.save_model(accelerator, run, cfg, export.model_dir(out_dir))  # the user's model (rlhf/export.py)
     return metrics
 
 
@@ -373,7 +377,7 @@ def start_accelerator(cfg: Config) -> Accelerator:
     validate(cfg, num_processes=accelerator.num_processes)  # per-process batch arithmetic
     if cfg.trainer.logger == "wandb" and not wandb_available():
         accelerator.print("warning: wandb is not installed; logging to metrics.jsonl only.")
-    for message in warnings_for(cfg):
+    for message in [*warnings_for(cfg), *launch_warnings(os.environ, accelerator.num_processes)]:
         accelerator.print(f"warning: {message}")
     return accelerator
 

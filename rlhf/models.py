@@ -45,14 +45,21 @@ def load_causal_lm(path_or_name: str, dtype: str | torch.dtype = "float32"):
     return AutoModelForCausalLM.from_pretrained(path_or_name, dtype=resolve_dtype(dtype))
 
 
+def critic_config(path_or_name: str):
+    """The value model's config: the causal LM's, with one output and no dropout before the head (see
+    load_critic). rlhf.export rebuilds a trained critic from it."""
+    config = AutoConfig.from_pretrained(path_or_name, num_labels=1)
+    config.classifier_dropout = 0.0
+    return config
+
+
 def load_critic(path_or_name: str, dtype: str | torch.dtype = "float32"):
     """A value model: the causal LM's backbone plus a new scalar head, zero-initialised (values start at 0).
 
     Dropout before the head is switched off (transformers defaults it to 0.1): values computed in train
     mode must equal those computed in eval mode, or value clipping compares noise.
     """
-    config = AutoConfig.from_pretrained(path_or_name, num_labels=1)
-    config.classifier_dropout = 0.0
+    config = critic_config(path_or_name)
     with log_filter("transformers.modeling_utils", _LoadReportFilter()):  # its load report, checked below
         critic, info = AutoModelForTokenClassification.from_pretrained(
             path_or_name, config=config, dtype=resolve_dtype(dtype), output_loading_info=True)

@@ -6,6 +6,7 @@ evaluation, and stopping the decoding together under sharded weights (FSDP).
     token_weighted_means               per-process token means -> means over all processes' tokens
     process_share, eval_batches        which rows of the global batch and of the held-out set are this process's
     stop_together, stop_rule           generate's `all_finished` under FSDP
+    launch_warnings                    why `accelerate launch` asked for several processes started one
 
 Functions that need statistics of the whole global batch (here, in rlhf.ppo and in rlhf.core_algos) take
 `reduce_sum`, a function that sums a tensor over processes (`sum_over_processes(accelerator)` in train.py);
@@ -85,3 +86,23 @@ def stop_rule(accelerator):
     if accelerator.distributed_type != DistributedType.FSDP:
         return None
     return stop_together(sum_over_processes(accelerator))
+
+
+def launch_warnings(environ, num_processes: int) -> list[str]:
+    """Why a launch asked for several processes started one: accelerate's simple launcher (what `accelerate launch`
+    falls back to with `--cpu`, or without `--multi_gpu` or a multi-process config where there are < 2 GPUs) runs
+    the script once, and sets MASTER_ADDR and MASTER_PORT only when asked for `--num_processes` > 1 or
+    `--num_machines` > 1 (accelerate 1.15, utils/launch.py, prepare_simple_launcher_cmd_env), while torchrun, its
+    multi-process launcher, sets WORLD_SIZE for every process. So: accelerate's variables (ACCELERATE_USE_CPU,
+    which every launch of it sets) and MASTER_ADDR, no WORLD_SIZE, and one process. `environ` is os.environ."""
+    if num_processes > 1 or "WORLD_SIZE" in environ or not {"ACCELERATE_USE_CPU", "MASTER_ADDR"} <= set(environ):
+        return []
+    why = ("--cpu sends every launch to it (accelerate refuses --cpu with --multi_gpu)"
+           if environ["ACCELERATE_USE_CPU"].lower() in ("1", "true", "yes") else
+           "without --multi_gpu (or a config file saying MULTI_GPU or FSDP) on a machine with fewer than 2 GPUs "
+           "accelerate picks it")
+    return [f"accelerate launch was asked for several processes but started one: this process is alone (no "
+            f"WORLD_SIZE), so the run trains as 1 process. accelerate's simple launcher runs the script once, and "
+            f"{why}. For N processes on a CPU: accelerate launch --multi_gpu --num_processes N train.py ... "
+            "(accelerate's name; train.py runs them on the CPU over gloo), or --config_file "
+            "configs/accelerate/ddp.yaml or fsdp.yaml (docs/gpu.md#several-processes-on-a-cpu)."]
