@@ -1,9 +1,10 @@
-"""The one typed config schema, YAML loading, dotted overrides and early validation.
+"""The one typed config schema, YAML loading and dotted overrides.
 
     cfg = load_config("configs/tiny.yaml", ["actor.kl_loss_type=k3+", "trainer.total_steps=50"])
 
-Defaults live in the dataclasses below (one comment per field); YAML files hold only what differs.
-Every check here runs before any model or data loads, so a typo costs seconds, not a model load.
+Defaults live in the dataclasses below (one comment per field); YAML files hold only what differs. Keys and
+types are checked here, values by rlhf.config_checks (`validate`, which load_config runs, and `warnings_for`,
+both re-exported here), all before any model or data loads, so a typo costs seconds, not a model load.
 Names of the KL options follow verl (`algorithm.use_kl_in_reward`, `algorithm.kl_penalty`,
 `algorithm.kl_ctrl.*`, `actor.use_kl_loss`, `actor.kl_loss_type`, `actor.kl_loss_coef`) so verl users
 can carry their overrides over.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import types
 import typing
@@ -25,11 +25,9 @@ from typing import Any
 
 import yaml
 
+from rlhf.config_checks import DTYPE_NAMES, validate, warnings_for  # noqa: F401  (re-exported for the rest)
 from rlhf.errors import ConfigError  # noqa: F401  (raised here, and imported from here by the rest)
 
-
-DTYPE_NAMES = ("float32", "bfloat16", "float16")  # model.dtype, model.ref_dtype; the torch dtypes of the same names
-LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")  # actor/critic.lr_scheduler_type (rlhf.setup.lr_factor)
 
 
 @dataclass
@@ -345,160 +343,3 @@ def config_table() -> str:
 
     walk(Config, "")
     return "\n".join(rows)
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"config key {key!r} got {value!r}; valid choices: {', '.join(choices)}.")
-
-
-def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"config key {key!r} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}.")
-
-
-def _divides(small_key: str, small: int, big_key: str, big: int) -> None:
-    if big % small:
-        low = [d for d in range(1, math.isqrt(big) + 1) if big % d == 0]
-        divisors = ", ".join(str(d) for d in sorted(set(low + [big // d for d in low])))
-        raise ConfigError(f"{big_key}={big} is not divisible by {small_key}={small}; choose sizes that divide "
-                          f"(divisors of {big}: {divisors}).")
-
-
-def validate(cfg: Config, num_processes: int = 1) -> None:
-    """Check values (not just types). Raises ConfigError before anything expensive happens."""
-    from rlhf import core_algos, kl  # local import: keeps `rlhf.config` importable on its own
-    from rlhf.synthetic import TASKS as SYNTHETIC_TASKS, check_config as check_synthetic
-
-    def checked(key: str, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"config key {key!r}: {e}") from None
-
-    m, d, r, a, ac, t = cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.actor, cfg.trainer
-    _choice("model.dtype", m.dtype, DTYPE_NAMES)
-    if m.ref_dtype is not None:
-        _choice("model.ref_dtype", m.ref_dtype, DTYPE_NAMES)
-    if t.mixed_precision is not None:
-        _choice("trainer.mixed_precision", t.mixed_precision, ("no", "bf16", "fp16"))
-    _choice("data.reward_method", d.reward_method, ("strict", "flexible"))
-    _choice("trainer.logger", t.logger, ("wandb", "none"))
-    if t.export_dtype is not None:
-        _choice("trainer.export_dtype", t.export_dtype, DTYPE_NAMES)
-    _choice("actor.recompute_old_logprobs", ac.recompute_old_logprobs, ("auto", "always"))
-    for section in ("actor", "critic"):
-        learner = getattr(cfg, section)
-        _choice(f"{section}.lr_scheduler_type", learner.lr_scheduler_type, LR_SCHEDULER_TYPES)
-        _positive(f"{section}.lr_warmup_steps", learner.lr_warmup_steps, allow_zero=True)
-        if learner.lr_warmup_steps > t.total_steps:
-            raise ConfigError(f"{section}.lr_warmup_steps={learner.lr_warmup_steps} is more than trainer.total_steps="
-                              f"{t.total_steps}: the lr would never reach {section}.lr; warm up for at most "
-                              f"{t.total_steps} steps (0 = no warmup).")
-        if not 0.0 <= learner.min_lr_ratio <= 1.0:
-            raise ConfigError(f"config key '{section}.min_lr_ratio' must be in [0, 1] (a fraction of {section}.lr), "
-                              f"got {learner.min_lr_ratio!r}.")
-    for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
-                "data.val_batch_size", "rollout.log_prob_micro_batch_size", "rollout.n", "actor.ppo_epochs",
-                "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "trainer.total_steps",
-                "trainer.max_ckpt_to_keep", "trainer.max_bad_steps", "rollout.temperature",
-                "actor.lr", "critic.lr", "actor.clip_ratio", "actor.grad_clip", "critic.grad_clip"):
-        section, name = key.split(".")
-        _positive(key, getattr(getattr(cfg, section), name))
-    for key in ("trainer.test_freq", "trainer.save_freq", "trainer.val_samples", "rollout.top_k", "actor.entropy_coeff",
-                "actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", "critic.cliprange_value",
-                "actor.weight_decay", "critic.weight_decay"):
-        *path, name = key.split(".")
-        node = cfg
-        for p in path:
-            node = getattr(node, p)
-        _positive(key, getattr(node, name), allow_zero=True)
-    if d.max_val_samples is not None:
-        _positive("data.max_val_samples", d.max_val_samples)
-    if not 0.0 < r.top_p <= 1.0:
-        raise ConfigError(f"config key 'rollout.top_p' must be in (0, 1], got {r.top_p!r}.")
-    if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
-        raise ConfigError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {a.gamma!r} and {a.lam!r}.")
-    if ac.clip_ratio_c <= 1.0:
-        raise ConfigError(f"config key 'actor.clip_ratio_c' (dual clip) must be > 1, got {ac.clip_ratio_c!r}.")
-    if not math.isfinite(cfg.reward.correct_threshold):
-        raise ConfigError("config key 'reward.correct_threshold' must be a finite number, "
-                          f"got {cfg.reward.correct_threshold!r}.")
-    checked("actor.loss_agg_mode", core_algos.check_loss_agg_mode, ac.loss_agg_mode)
-    checked("algorithm.adv_estimator", core_algos.check_adv_estimator, a.adv_estimator)
-    checked("algorithm.kl_penalty", kl.check_estimator, a.kl_penalty, allow_full=True)
-    checked("actor.kl_loss_type", kl.check_estimator, ac.kl_loss_type, allow_full=True)
-    kc = a.kl_ctrl
-    checked("algorithm.kl_ctrl", kl.check_kl_ctrl, kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
-
-    # Batch arithmetic: global batch (prompts) -> per-process shares -> mini-batches (prompts, each with its
-    # rollout.n responses) -> micro-batches (responses).
-    _divides("actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, "data.train_batch_size", d.train_batch_size)
-    _divides("number of processes", num_processes, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size)
-    per_process_mini = ac.ppo_mini_batch_size // num_processes * r.n
-    # A micro-batch larger than the process's share of the mini-batch is that share, in one pass: a config
-    # runs unchanged on more processes.
-    _divides("actor.ppo_micro_batch_size", min(ac.ppo_micro_batch_size, per_process_mini),
-             "actor.ppo_mini_batch_size per process x rollout.n", per_process_mini)
-    from rlhf.rewards import load_reward
-
-    load_reward(cfg)  # imports reward.function and checks that it takes the trainer's keyword call
-    if t.resume_from not in (None, "auto") and not os.path.isdir(t.resume_from):
-        raise ConfigError(f"trainer.resume_from={t.resume_from!r} is not a directory (use a checkpoint dir or 'auto').")
-    if m.path in SYNTHETIC_TASKS or d.train_files in SYNTHETIC_TASKS:
-        checked("model.path", check_synthetic, cfg)
-    for key, source in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
-        if source not in ("embedded", *SYNTHETIC_TASKS) and _looks_like_path(source):
-            from rlhf.data import check_data_file
-
-            checked(key, check_data_file, source)
-    for key, path in (("model.path", m.path), ("model.critic_path", m.critic_path)):
-        if path not in (None, "embedded") and _looks_like_path(path) and not os.path.isdir(path):
-            raise ConfigError(f"config key {key!r}: local model path {path!r} does not exist "
-                              "(give a directory written by save_pretrained, a hub name like "
-                              "'Qwen/Qwen2.5-0.5B-Instruct', or 'embedded').")
-
-
-def _looks_like_path(source: str) -> bool:
-    """A hub id is `name` or `org/name`; anything else (./x, /x, a/b/c, x.jsonl) is a local path."""
-    return (source.startswith((".", "/", "~")) or source.count("/") > 1
-            or source.endswith((".jsonl", ".json", ".parquet")) or os.path.exists(source))
-
-
-def warnings_for(cfg: Config) -> list[str]:
-    """Legal settings that are almost certainly a mistake; printed once at start."""
-    from rlhf import kl
-
-    out = []
-    a, ac, r = cfg.algorithm, cfg.actor, cfg.rollout
-    kl_on = a.use_kl_in_reward or ac.use_kl_loss
-    if ac.use_kl_loss and kl.canonical(ac.kl_loss_type) == "k1":
-        out.append(f"actor.kl_loss_type={ac.kl_loss_type}: k1 as a loss has zero expected gradient; "
-                   "this does not regularise (use k2, k3+ or full; or k1 in the reward).")
-    if a.use_kl_in_reward and kl.canonical(a.kl_penalty) == "k3":
-        out.append(f"algorithm.kl_penalty={a.kl_penalty}: k3 in the reward gives a biased gradient "
-                   "(grad KL(pi||ref) - grad KL(ref||pi)); k1 is the principled choice there.")
-    if kl_on and (r.top_k > 0 or r.top_p < 1.0):
-        out.append(f"rollout.top_k={r.top_k}, rollout.top_p={r.top_p} with a KL option on: sampled tokens are "
-                   "not samples of the policy, so the KL estimates are biased (k1 can go negative).")
-    if a.use_kl_in_reward and a.kl_ctrl.kl_coef == 0:
-        out.append("algorithm.use_kl_in_reward=true with algorithm.kl_ctrl.kl_coef=0: the penalty does nothing.")
-    if a.adv_estimator != "gae" and r.n == 1:
-        out.append(f"algorithm.adv_estimator={a.adv_estimator} with rollout.n=1: every group is one response, "
-                   "whose advantage is its own score (no baseline); sample several (rollout.n=4, say).")
-    if ac.use_kl_loss and ac.kl_loss_coef == 0:
-        out.append("actor.use_kl_loss=true with actor.kl_loss_coef=0: the KL loss does nothing.")
-    for section in ("actor", "critic"):
-        learner = getattr(cfg, section)
-        if learner.lr_scheduler_type == "constant" and learner.min_lr_ratio > 0:
-            out.append(f"{section}.min_lr_ratio={learner.min_lr_ratio} with {section}.lr_scheduler_type=constant: "
-                       "there is no decay for it to floor (use linear or cosine).")
-    from rlhf.rewards import GSM8K_REWARD
-
-    if cfg.data.reward_method != "strict" and cfg.reward.function != GSM8K_REWARD:
-        out.append(f"data.reward_method={cfg.data.reward_method} with reward.function={cfg.reward.function}: the "
-                   f"method is GSM8K's rule's ({GSM8K_REWARD}), which this run does not use.")
-    return out
