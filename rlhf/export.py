@@ -46,6 +46,7 @@ CRITIC_DIR = "critic"  # <model dir>/critic with trainer.export_critic
 # 1-process or DDP run, a distributed-checkpoint folder with one file per process under FSDP2.
 _WEIGHTS = ("model.safetensors", "model_1.safetensors")
 _FSDP_WEIGHTS = ("pytorch_model_fsdp_0", "pytorch_model_fsdp_1")
+_RNG_STATE = "random_states_0.pkl"  # what save_state writes into every checkpoint (and a model directory lacks)
 
 
 class ExportError(ValueError):
@@ -185,16 +186,19 @@ def checkpoint_weights(checkpoint: str) -> tuple[str, list[str]]:
     if not os.path.isdir(checkpoint):
         raise ExportError(f"{checkpoint} is not a directory; a checkpoint is a directory "
                           "<output_dir>/checkpoints/step_<k>/ written by train.py.")
+    is_state = os.path.exists(os.path.join(checkpoint, _RNG_STATE))
     for kind, names in (("safetensors", _WEIGHTS), ("fsdp", _FSDP_WEIGHTS)):
         paths = [os.path.join(checkpoint, n) for n in names if os.path.exists(os.path.join(checkpoint, n))]
-        if paths and paths[0].endswith(names[0]):
+        if is_state and paths and paths[0].endswith(names[0]):
             return kind, paths
     hint = ""
-    if os.path.isdir(os.path.join(checkpoint, "checkpoints")):
+    if os.path.exists(os.path.join(checkpoint, "config.json")):
+        hint = " It is a model directory already: from_pretrained loads it."
+    elif os.path.isdir(os.path.join(checkpoint, "checkpoints")):
         steps = sorted(os.listdir(os.path.join(checkpoint, "checkpoints")))
         hint = f" It is a run's output directory: its checkpoints are {', '.join(steps) or 'none'} under checkpoints/."
-    raise ExportError(f"{checkpoint} is not a checkpoint: it holds neither {_WEIGHTS[0]} (a 1-process or DDP run) "
-                      f"nor {_FSDP_WEIGHTS[0]}/ (FSDP2).{hint}")
+    raise ExportError(f"{checkpoint} is not a checkpoint: a checkpoint holds {_RNG_STATE} and {_WEIGHTS[0]} (a "
+                      f"1-process or DDP run) or {_FSDP_WEIGHTS[0]}/ (FSDP2).{hint}")
 
 
 def read_shapes(path: str) -> dict[str, tuple]:
