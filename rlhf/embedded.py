@@ -217,7 +217,7 @@ def first_step_result(answer: str) -> str:
     return answer.split("\n", 1)[0].rsplit(">>", 1)[1]
 
 
-def _answer_with_first_result(answer: str) -> str:
+def answer_with_first_result(answer: str) -> str:
     """The same reasoning lines, but the final `#### N` line reports the first line's result."""
     *lines, _ = answer.split("\n")
     return "\n".join(lines + [f"#### {first_step_result(answer)}"])
@@ -227,7 +227,7 @@ def warm_start_demos(problems: list[dict], cfg: EmbeddedConfig) -> list[dict]:
     """The demos the warm start imitates: `problems`, except that `cfg.sft_early_answer_frac` of the
     multi-step ones (chosen by `cfg.seed`) end with the first step's result (the planted habit)."""
     rng = random.Random(cfg.seed)
-    return [{**p, "answer": _answer_with_first_result(p["answer"])}
+    return [{**p, "answer": answer_with_first_result(p["answer"])}
             if p["answer"].count("\n") >= 2 and rng.random() < cfg.sft_early_answer_frac else p
             for p in problems]
 

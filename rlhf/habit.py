@@ -64,6 +64,71 @@ def greedy_counts(model, tokenizer, problems, max_prompt_length: int, max_respon
     return counts
 
 
+# ----------------------------------------------------------------------------- where a KL keeps the habit
+
+
+@torch.no_grad()
+def decision_probabilities(model, tokenizer, problems, temperature: float = 1.0) -> torch.Tensor:
+    """(N, 3) float64: for each held-out problem whose first step's result is not its answer (N of them), the
+    policy's probabilities at the habit's decision token, [habit, right, any other token].
+
+    The decision token is the first token where the response that reports the first step's result differs
+    from the right response, both with the right reasoning lines ("...\n#### 12" against "...\n#### 2"):
+    the first digit after `#### `, or a later one when the two numbers share their first digits. The policy
+    is the sampling one, softmax(logits / temperature)."""
+    from rlhf.data import build_prompt
+    from rlhf.embedded import answer_with_first_result
+
+    add_special_tokens = not getattr(tokenizer, "chat_template", None)  # as rlhf.data.tokenize_prompts
+    rows = []
+    for question, answer in zip(problems["question"], problems["answer"]):
+        habit = answer_with_first_result(answer)
+        if habit == answer:  # one-step problems, and those whose first result is the answer: no habit to drop
+            continue
+        prompt = tokenizer(build_prompt(tokenizer, question), add_special_tokens=add_special_tokens)["input_ids"]
+        # + EOS, as the warm start's demos end: "#### 1" and "#### 12" part at the EOS after "1".
+        right_ids, habit_ids = (tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                                for text in (answer, habit))
+        at = next(i for i, (a, b) in enumerate(zip(right_ids, habit_ids)) if a != b)
+        logits = model(input_ids=torch.tensor([prompt + right_ids[:at]])).logits[0, -1].double()
+        probs = torch.softmax(logits / temperature, -1)
+        q, p = probs[habit_ids[at]].item(), probs[right_ids[at]].item()
+        rows.append([q, p, 1.0 - q - p])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+# The reward at the decision: reporting the right number is worth 1, the habit and any other token 0.
+DECISION_REWARDS = (0.0, 1.0, 0.0)
+
+
+def habit_limits(ref_probs: torch.Tensor, beta: float) -> dict[str, torch.Tensor]:
+    """(N,) the habit's probability where training stops at each decision of `ref_probs` (N, 3), under exact
+    (or RLOO's) advantages and DECISION_REWARDS: "forward", the forward-KL optimum a k3 loss reaches
+    (pi_x = beta ref_x / (lam - r_x): the habit keeps beta q / lam, lam in (1, 1 + beta]); "reverse", the
+    reverse-KL optimum of k1 in the reward and k2, X+ and full in the loss (ref exp(r / beta), renormalised:
+    the habit's share falls as e^(-1 / beta)). docs/kl.md, 'The habit a forward KL keeps', derives them."""
+    from rlhf.theory.optima import forward_kl_optimum, reverse_kl_optimum
+
+    rewards = torch.tensor(DECISION_REWARDS, dtype=torch.float64).expand_as(ref_probs)
+    return {"forward": forward_kl_optimum(ref_probs, rewards, beta)[:, 0],
+            "reverse": reverse_kl_optimum(ref_probs, rewards, beta)[:, 0]}
+
+
+def predict(model, tokenizer, problems, betas, temperature: float = 1.0) -> dict:
+    """The prediction for `problems` (all the held-out split): the decision probabilities' summary and, per
+    beta, the mean habit probability at the forward- and reverse-KL limits, summed over the habit-prone
+    problems and divided by all of them (the habit rate if every response reached the decision with the
+    right reasoning lines; reference: the same for pi_ref)."""
+    ref = decision_probabilities(model, tokenizer, problems, temperature)
+    total = len(problems["question"])
+    out = {"num_problems": total, "num_habit_prone": len(ref), "q_mean": ref[:, 0].mean().item(),
+           "q_median": ref[:, 0].median().item(), "reference_rate": ref[:, 0].sum().item() / total, "betas": {}}
+    for beta in betas:
+        limits = habit_limits(ref, beta)
+        out["betas"][beta] = {name: pi.sum().item() / total for name, pi in limits.items()}
+    return out
+
+
 def report(output_dir: str) -> list[tuple[str, Counter]]:
     """[(label, counts)] for the warm start and each checkpoint under `output_dir`, oldest first."""
     from safetensors.torch import load_file

@@ -3,11 +3,15 @@
 import os
 
 import pytest
+import torch
+from helpers import tiny_overrides
 
+import rlhf.setup
 import train
 from rlhf.config import load_config
 from rlhf.embedded import first_step_result
-from rlhf.habit import CATEGORIES, classify, main, report
+from rlhf.habit import (CATEGORIES, DECISION_REWARDS, classify, decision_probabilities, habit_limits, habit_metric,
+                        main, report)
 from rlhf.tracking import read_metrics
 
 ANSWER = "3+4=<<3+4=7>>7\n7*2=<<7*2=14>>14\n#### 14"
@@ -60,6 +64,8 @@ def test_report_on_a_real_run_matches_the_trainers_own_evaluation(tmp_path, monk
         assert sum(counts[c] for c in CATEGORIES) == 32
         logged = next(r["val/accuracy"] for r in rows if r["step"] == step and "val/accuracy" in r)
         assert counts["correct"] / 32 == pytest.approx(logged), label
+        habit = next(r["val/greedy_habit_rate"] for r in rows if r["step"] == step and "val/accuracy" in r)
+        assert counts["first_step"] / 32 == pytest.approx(habit), label  # the trainer's own habit metric
     assert labelled[0][1] != labelled[1][1]
     assert labelled[0][1]["correct"] > 0 and labelled[0][1]["first_step"] > 0  # every category is exercised
 
@@ -73,3 +79,118 @@ def test_report_refuses_a_run_that_is_not_the_embedded_default(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text("model:\n  path: Qwen/Qwen2.5-0.5B-Instruct\n")
     with pytest.raises(ValueError, match="not a run of the embedded default"):
         report(str(tmp_path / "run"))
+
+
+# ----------------------------------------------------------------------------- the habit as a trainer metric
+
+
+def test_habit_metric_scores_crafted_responses():
+    """1 for the habit only: the right answer, another wrong number and a response without an answer are 0."""
+    one_step = "12-5=<<12-5=7>>7\n#### 7"  # no habit possible: its first result is its answer
+    rate = habit_metric([ANSWER, one_step])
+    responses = ["3+4=<<3+4=7>>7\n7*2=<<7*2=14>>14\n#### 14", "3+4=<<3+4=7>>7\n7*2=<<7*2=14>>14\n#### 7",
+                 "#### 7", "#### 15", "no answer", "#### 7"]
+    assert rate(responses, [0, 0, 0, 0, 0, 1]) == [0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_task_metrics_are_averaged_per_problem_greedy_and_sampled(artifacts, tmp_path, monkeypatch, one_thread):
+    """A task metric reaches evaluate with each held-out row's index (once greedy, val_samples times sampled)
+    and is logged as the mean over problems of each problem's mean: val/greedy_<name> and val/<name>."""
+    seen = []
+
+    def probe(completions, indices):  # 1 on even rows: the expected mean is the share of even rows
+        seen.append(list(indices))
+        assert len(completions) == len(indices)
+        return [float(i % 2 == 0) for i in indices]
+
+    monkeypatch.setattr(rlhf.setup, "task_metrics", lambda *args: {"probe": probe})
+    out = str(tmp_path / "run")
+    cfg = load_config(None, tiny_overrides(artifacts, out, "trainer.val_samples=3", "trainer.logger=none",
+                                           "data.max_val_samples=7"))
+    train.main(cfg)
+    rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "val/accuracy" in r]
+    num_val = 7
+    evens = 4 / 7  # rows 0, 2, 4, 6
+    assert [(r["val/greedy_probe"], r["val/probe"]) for r in rows] == [(pytest.approx(evens),) * 2] * len(rows)
+    greedy, sampled = seen[0], seen[1]  # step 0: the greedy pass, then the sampled one, of one batch
+    assert sorted(greedy) == list(range(num_val)) and sorted(sampled) == sorted(greedy * 3)
+
+
+def test_gsm8k_files_have_no_habit_metric(artifacts, tmp_path):
+    """The habit exists only in the embedded default's problems (the real run above logs it): GSM8K files,
+    e.g. the hub's, get no task metric, so the trainer is the same for them."""
+    files = load_config(None, tiny_overrides(artifacts, str(tmp_path / "run")))
+    assert rlhf.setup.task_metrics(files, None, 8) == {}
+
+
+# ----------------------------------------------------------------------------- where a KL keeps the habit
+
+
+def decisions(*rows):
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def test_habit_limits_are_the_solvers_fixed_points():
+    """habit_limits' closed forms (forward- and reverse-KL optima) equal where the exact solver takes k3 and k3+
+    in the loss under RLOO's advantages, for coefficients where k3's path stays inside verl's clamp; and the
+    one-decision formula pi (beta + 1 - pi) = beta q when the right answer takes all the rest."""
+    from rlhf.theory.fixed_points import bandit_fixed_point
+
+    ref = decisions([0.82, 0.10, 0.08], [0.5, 0.4, 0.1], [0.9, 0.001, 0.099])
+    rewards = torch.tensor(DECISION_REWARDS, dtype=torch.float64)
+    for beta in (0.15, 0.2, 0.3):
+        limits = habit_limits(ref, beta)
+        for row, forward, reverse in zip(ref, limits["forward"], limits["reverse"]):
+            k3 = bandit_fixed_point(row, rewards, beta, "k3", "loss", advantage="rloo", n=4)[0]
+            k3_plus = bandit_fixed_point(row, rewards, beta, "k3+", "loss", advantage="rloo", n=4)[0]
+            assert abs(k3 - forward) < 1e-9 and abs(k3_plus - reverse) < 1e-9, (beta, row)
+    q, beta = 0.82, 0.1
+    pi = habit_limits(decisions([q, 1 - q, 0.0]), beta)["forward"].item()
+    assert abs(pi * (beta + 1 - pi) - beta * q) < 1e-12 and beta * q / (1 + beta) < pi < beta * q
+
+
+def test_the_reverse_kl_keeps_more_habit_where_the_reference_barely_knows_the_answer():
+    """The forward-KL optimum keeps at most beta q of the habit whatever the right answer's reference
+    probability p; the reverse one keeps q / (q + p e^(1/beta) + rest), most of it when p is tiny."""
+    ref = decisions([0.82, 0.17, 0.01], [0.82, 0.001, 0.179])
+    limits = habit_limits(ref, 0.2)
+    assert (limits["forward"] < 0.2 * 0.82).all()
+    assert limits["reverse"][0] < limits["forward"][0] < limits["forward"][1] < limits["reverse"][1]
+    assert limits["reverse"][1] > 0.5
+
+
+def test_k3s_clamp_lets_the_habit_go_below_its_floor_at_small_coefficients():
+    """verl's clamp stops k3's pull once d < -2.61: at beta = 0.1 the solver's k3 path crosses it and ends on
+    the argmax corner, not the forward-KL optimum, which is why the binding regime's coefficient is 0.2."""
+    from rlhf.theory.fixed_points import bandit_fixed_point
+
+    row, rewards = decisions([0.82, 0.10, 0.08])[0], torch.tensor(DECISION_REWARDS, dtype=torch.float64)
+    assert habit_limits(row[None], 0.1)["forward"].item() > 0.05
+    assert bandit_fixed_point(row, rewards, 0.1, "k3", "loss", advantage="rloo", n=4)[0] < 1e-9
+
+
+def test_decision_probabilities_find_the_decision_token():
+    """At the first token where the habit's and the right response part (after the common "#### 1" when the
+    numbers share a digit; then the right one ends), the model's probabilities of the two tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    from rlhf.embedded import train_tokenizer
+
+    problems = {"question": ["Tom has 3. He gets 4 more, then doubles it. How many?",
+                             "Ann has 9. She gets 3, then loses 11. How many?", "One step: 12-5?"],
+                "answer": [ANSWER, "9+3=<<9+3=12>>12\n12-11=<<12-11=1>>1\n#### 1", "12-5=<<12-5=7>>7\n#### 7"]}
+    tokenizer = train_tokenizer(problems["question"] + problems["answer"] * 20, 128)
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    contexts = []
+
+    class Recorder(torch.nn.Module):  # logits favour token id 5; records each context it is given
+        def forward(self, input_ids):
+            contexts.append(tokenizer.decode(input_ids[0]))
+            logits = torch.zeros(1, input_ids.shape[1], len(tokenizer))
+            logits[..., 5] = 2.0
+            return type("Out", (), {"logits": logits})
+
+    probs = decision_probabilities(Recorder(), tokenizer, problems)
+    assert probs.shape == (2, 3)  # the one-step problem has no habit to drop
+    assert contexts[0].endswith("#### ") and contexts[1].endswith("#### 1")
+    assert torch.allclose(probs.sum(-1), torch.ones(2, dtype=torch.float64))
