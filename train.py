@@ -28,6 +28,7 @@ import contextlib
 import math
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -35,7 +36,7 @@ import yaml
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from rlhf import core_algos, evaluation, export, kl, ppo, rewards
+from rlhf import core_algos, evaluation, export, kl, ppo, rewards, synthetic
 from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_steps_message, check_resumable,
                              latest_checkpoint, save_checkpoint)
 from rlhf.labels import kl_tags
@@ -45,8 +46,10 @@ from rlhf.processes import (launch_warnings, mean_over_processes, process_share,
                             token_weighted_means)
 from rlhf.rollout import (SamplingParams, generate, is_stop_token, left_pad, logprobs_and_logits,
                           paired_noise_generator, response_values, slice_batch, stop_token_ids)
-from rlhf.setup import Setup, setup, shard_on_cpu
-from rlhf.tracking import MetricsLogger, Timer, truncate_metrics, wandb_available
+from rlhf.embedded import cache_entry
+from rlhf.setup import Setup, embedded_cache_dir, setup, shard_on_cpu
+from rlhf.tracking import (MetricsLogger, Timer, eval_line, read_metrics, run_summary, truncate_metrics,
+                           wandb_available)
 
 
 # ----------------------------------------------------------------------------- one PPO step
@@ -272,6 +275,7 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_ids: int | tuple[in
 
 def main(cfg: Config) -> dict[str, float]:
     """Train; returns the last step's metrics (with val/accuracy). Callable from tests in-process."""
+    started = time.perf_counter()
     accelerator = start_accelerator(cfg)
     out_dir = cfg.trainer.output_dir
     resume_dir = cfg.trainer.resume_from
@@ -319,7 +323,7 @@ def main(cfg: Config) -> dict[str, float]:
         if landing:
             metrics.update(landing.metrics(accelerator.unwrap_model(run.models[0])))
         logger.log(metrics, step=0)
-        accelerator.print(f"step 0: val/accuracy={metrics['val/accuracy']:.3f}")
+        accelerator.print(eval_line(0, metrics))
     progress = tqdm(range(state.step + 1, total + 1), desc="ppo", initial=state.step, total=total,
                     disable=not accelerator.is_local_main_process)
     try:
@@ -341,6 +345,8 @@ def main(cfg: Config) -> dict[str, float]:
                     metrics["perf/max_memory_allocated_gb"] = torch.accelerator.max_memory_allocated() / 2**30
                 logger.log(metrics, step=step)
                 progress.set_postfix(score=f"{metrics['critic/score/mean']:.2f}", kl=f"{metrics.get('kl/full', 0):.4f}")
+                if "val/accuracy" in metrics and accelerator.is_main_process:  # above the bar, which stays
+                    progress.write(eval_line(step, metrics))
                 if state.bad_steps >= cfg.trainer.max_bad_steps:
                     raise BadStepsError(bad_steps_message(cfg, step - state.bad_steps + 1, step))
                 stopping = stop.requested(accelerator)
@@ -356,7 +362,25 @@ def main(cfg: Config) -> dict[str, float]:
     if landing and accelerator.is_main_process:  # pi_ref, the final policy and every candidate
         landing.write(os.path.join(out_dir, "theory.json"), accelerator.unwrap_model(run.models[0]))
     export.save_model(accelerator, run, cfg, export.model_dir(out_dir))  # the user's model (rlhf/export.py)
+    if accelerator.is_main_process:
+        rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+        print(run_summary(rows, time.perf_counter() - started, outputs(cfg, logger.wandb_where)), flush=True)
     return metrics
+
+
+def outputs(cfg: Config, wandb_where: str) -> dict[str, str]:
+    """Where a finished run's files are, and the command that evaluates its model against the one it started
+    from, for the summary (rlhf.tracking.run_summary)."""
+    out_dir, model = cfg.trainer.output_dir, export.model_dir(cfg.trainer.output_dir)
+    found = {"metrics": os.path.join(out_dir, "metrics.jsonl"), "wandb": wandb_where,
+             "checkpoint": f"{latest_checkpoint(out_dir)} (resume: add trainer.resume_from=auto)",
+             "model": f"{model} (transformers' from_pretrained)"}
+    if cfg.model.path not in synthetic.TASKS:
+        base = (os.path.join(cache_entry(embedded_cache_dir(cfg), cfg.embedded), "model")
+                if cfg.model.path == "embedded" else cfg.model.path)
+        found["evaluate"] = (f"python -m rlhf.evaluate --model {model} --baseline {base} "
+                             f"--config {os.path.join(out_dir, 'config.yaml')}")
+    return found
 
 
 def start_accelerator(cfg: Config) -> Accelerator:

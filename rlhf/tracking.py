@@ -90,6 +90,7 @@ class MetricsLogger:
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.use_wandb = use_wandb
         self.wandb_run_id: str | None = None
+        self.wandb_where = "off (trainer.logger=none, or wandb did not start)"  # for the run's summary
 
     def start(self, project: str, config: dict, run_name: str, group: str | None, tags: list[str],
               output_dir: str, resume_run_id: str | None = None) -> None:
@@ -110,6 +111,8 @@ class MetricsLogger:
             self.use_wandb = False
             self.accelerator.trackers = []
             return
+        self.wandb_where = (f"offline, in {os.path.dirname(run.dir)}; upload it with: wandb sync "
+                            f"{os.path.dirname(run.dir)}" if mode == "offline" else f"{run.url}")
         if mode == "offline":
             print(f"wandb is offline (no credentials or WANDB_MODE=offline); the run is in {run.dir}.\n"
                   f"Upload it later with: wandb sync {os.path.dirname(run.dir)}")
@@ -136,6 +139,48 @@ class MetricsLogger:
                 self.accelerator.end_training()
             except Exception as e:
                 warnings.warn(f"wandb did not close cleanly ({type(e).__name__}: {e}).")
+
+
+# ----------------------------------------------------------------------------- what a run prints
+
+# An evaluation's line and the summary's table: these keys, in this order, where logged (val/pass@1 is the
+# sampled accuracy; the habit is the embedded default's, rlhf/habit.py).
+SHOWN = ("val/accuracy", "val/pass@1", "val/maj@", "val/greedy_habit_rate", "val/habit_rate", "theory/tv_to_fixed_point")
+
+
+def _shown(metrics: dict[str, Any]) -> list[str]:
+    return [key for prefix in SHOWN for key in sorted(metrics) if key.startswith(prefix)]
+
+
+def eval_line(step: int, metrics: dict[str, Any]) -> str:
+    """`step 10: val/accuracy 0.473, val/greedy_habit_rate 0.121, kl/full 0.019`: an evaluation, one line."""
+    parts = [f"{key} {metrics[key]:.3f}" for key in _shown(metrics) if metrics[key] is not None]
+    if metrics.get("kl/full") is not None:
+        parts.append(f"kl/full {metrics['kl/full']:.4f}")
+    return f"step {step}: " + ", ".join(parts)
+
+
+def run_summary(rows: list[dict[str, Any]], seconds: float, where: dict[str, str]) -> str:
+    """The end of a run: its first and last evaluation side by side, the last step's exact KL, then `where`
+    ({what: path or command}, e.g. metrics, wandb, checkpoint, model, evaluate), one line each."""
+    evals = [row for row in rows if "val/accuracy" in row]
+    first, last = (evals[0], evals[-1]) if evals else ({}, {})
+    minutes, secs = divmod(round(seconds), 60)
+    lines = [f"done: step {rows[-1]['step'] if rows else 0} in {minutes} min {secs:02d} s"]
+    if evals:
+        keys = _shown(last)
+        width = max(len(k) for k in [*keys, "kl/full (last step)"])
+        lines.append(f"  {'':<{width}}  {'step ' + str(first['step']):>10}  {'step ' + str(last['step']):>10}")
+        for key in keys:
+            before = first.get(key)
+            lines.append(f"  {key:<{width}}  {'' if before is None else format(before, '.3f'):>10}  "
+                         f"{last[key]:>10.3f}")
+    kl = next((row["kl/full"] for row in reversed(rows) if row.get("kl/full") is not None), None)
+    if kl is not None:
+        lines.append(f"  {'kl/full (last step)':<{width if evals else 0}}  {'':>10}  {kl:>10.4f}")
+    label = max(len(k) for k in where) if where else 0
+    lines += [f"{what + ':':<{label + 1}} {text}" for what, text in where.items()]
+    return "\n".join(lines)
 
 
 def _plain(value: Any) -> Any:
