@@ -116,8 +116,9 @@ def greedy_correct(model_dir, cfg):
 
 def test_the_difference_to_a_perturbed_copy_is_the_mean_of_per_problem_differences(artifacts, models, tmp_path,
                                                                                      capsys):
-    """The perturbed copy against the model: the printed and written difference is the mean over problems of
-    the per-problem differences computed here independently, its interval t95(n - 1) sd / sqrt(n) around it."""
+    """The perturbed copy against the model: each problem's correctness is the one computed here independently,
+    and the printed and written difference is the mean over problems of their differences, its interval
+    t95(n - 1) sd / sqrt(n) around it."""
     argv = overrides(artifacts, tmp_path)
     output = tmp_path / "report.json"
     cli.main(["--model", models["perturbed"], "--baseline", models["model"], "--output", str(output), *argv])
@@ -130,6 +131,8 @@ def test_the_difference_to_a_perturbed_copy_is_the_mean_of_per_problem_differenc
     n, mean = len(differences), statistics.fmean(differences)
     half_width = t95(n - 1) * statistics.stdev(differences) / math.sqrt(n)
     assert n == 16 and mean != 0  # the copy answers differently
+    assert report["per_problem"]["model"]["val/accuracy"] == perturbed  # each problem's own, in the split's order
+    assert report["per_problem"]["baseline"]["val/accuracy"] == original
     d = report["differences"]["val/accuracy"]
     assert d["mean"] == pytest.approx(mean, abs=1e-12)
     assert d["half_width"] == pytest.approx(half_width, abs=1e-12)
