@@ -132,12 +132,11 @@ def rebuild(auto_class, config, state: dict, dtype: torch.dtype):
             raise ExportError(f"{', '.join(present)} are tied in the model's config but hold different values: "
                               "the trained model was not tied, and a tied export would change it.")
     with torch.no_grad():
-        model.load_state_dict(state, strict=False)  # the tied names left out are filled by the tie below
-    model.tie_weights()
+        model.load_state_dict(state, strict=False)  # a tied name left out is filled through its group
     if model.config.tie_word_embeddings:  # transformers 5: tie_weights ties by the config; checked, not assumed
         embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
         if output is not None and output.weight is not embedding.weight:
-            raise ExportError("the output embedding is not tied to the input embedding after tie_weights()")
+            raise ExportError("config.tie_word_embeddings is true but the output embedding is not the input one")
     return model.eval()
 
 

@@ -317,3 +317,43 @@ def test_launch_warning_when_accelerate_starts_one_of_several_processes(tmp_path
     assert launch_warnings({}, 1) == []
     assert launch_warnings({"ACCELERATE_USE_CPU": "True"}, 1) == []
     assert "fewer than 2 GPUs" in launch_warnings(launched, 1)[0]
+
+
+@pytest.mark.slow  # ~40 s: a 2-process FSDP2 launch and a 1-process run; python -m pytest -q -m slow
+def test_a_two_process_fsdp2_export_equals_the_one_process_one(artifacts, tmp_path):
+    """configs/accelerate/fsdp.yaml on 2 CPU processes: the model is gathered (accelerator.get_state_dict) and
+    written by rank 0 alone; `python -m rlhf.export` merges the sharded checkpoint into the same tensors,
+    exactly; and the 1-process run of the same greedy batch (rollout.top_k=1, one mini-batch: as in
+    tests/test_multiprocess.py) exports the same model to float noise, far below what training moved."""
+    from test_multiprocess import launch, rank_writes
+
+    def args(out):
+        return overrides(artifacts, out, "rollout.top_k=1", "actor.ppo_mini_batch_size=8",
+                         "trainer.save_model_with_checkpoints=true", "trainer.export_critic=true")
+
+    two = tmp_path / "fsdp"
+    result = launch(tmp_path, args(two), ("--config_file", os.path.join(REPO, "configs", "accelerate", "fsdp.yaml")))
+    assert "processes: 2 (FSDP)" in result.stdout
+    saved = two / "checkpoints" / f"step_{NUM_STEPS}"
+    assert sorted(f for f in os.listdir(saved / "pytorch_model_fsdp_0") if f.endswith(".distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]  # sharded: one file per process
+    models = [str(two / "model"), *(str(c / "model") for c in (two / "checkpoints").iterdir())]
+    assert not [p for p in rank_writes(tmp_path, two)[1] if p.startswith(tuple(models))]  # rank 0 writes them
+    with safe_open(two / "model" / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    assert_same_weights(weights(saved / "model"), weights(two / "model"))
+
+    merged = tmp_path / "merged"
+    assert export.cli([str(saved), str(merged)]) == 0
+    for sub in ("", "critic"):
+        assert_same_weights(weights(merged / sub), weights(two / "model" / sub))
+
+    one = tmp_path / "one"
+    train.main(load_config(None, args(one)))
+    base = load_file(os.path.join(artifacts.model_dir, "model.safetensors"))
+    gathered, alone = weights(two / "model"), weights(one / "model")
+    assert gathered.keys() == alone.keys()
+    noise = max((gathered[k] - alone[k]).abs().max().item() for k in gathered)
+    moved = max((gathered[k] - base[k]).abs().max().item() for k in base)
+    print(f"2 processes against 1: largest difference {noise:.1e}; training moved the weights by up to {moved:.1e}")
+    assert noise <= 1e-5 and moved > 1e-3
