@@ -295,6 +295,21 @@ def test_the_export_command_refuses_a_checkpoint_of_another_config(trained, tmp_
     assert not target.exists()
 
 
+def test_the_embedded_default_s_base_model_is_found_in_its_cache(artifacts, tmp_path):
+    """model.path=embedded (configs/tiny.yaml): the architecture and tokenizer come from the cache entry of the
+    run's embedded config; a cache that is not there is named (a relative trainer.cache_dir is relative to where
+    train.py ran), not rebuilt for minutes somewhere else."""
+    from helpers import embedded_overrides
+
+    cache_dir = os.path.dirname(os.path.dirname(artifacts.model_dir))
+    cfg = load_config(None, ["model.path=embedded", f"trainer.cache_dir={cache_dir}", *embedded_overrides()])
+    path, tokenizer = export.base_model(cfg, str(tmp_path))
+    assert path == artifacts.model_dir and tokenizer.chat_template
+    cfg.trainer.cache_dir = str(tmp_path / "elsewhere")
+    with pytest.raises(export.ExportError, match="run this command from the directory train.py ran in"):
+        export.base_model(cfg, str(tmp_path))
+
+
 def test_launch_warning_when_accelerate_starts_one_of_several_processes(tmp_path):
     """`accelerate launch --cpu --num_processes 2` runs the script once (accelerate's simple launcher): the
     warning names the cause. Checked in the environment accelerate really gives the script."""
