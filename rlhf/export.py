@@ -10,7 +10,7 @@ zeroes the head for a fresh start). What the big frameworks get wrong here, and 
 
 - EOS: generation_config.json lists every id the run stopped at (`rlhf.rollout.stop_token_ids`: Qwen2.5-
   Instruct's `<|im_end|>` and `<|endoftext|>`), so `model.generate` stops where the trainer's sampler did.
-  TRL's PPOTrainer wrote its `stop_token_id` there, None unless set (trl #2387); verl's Megatron merge dropped
+  TRL's PPOTrainer wrote its `stop_token_id` there, None unless set; verl's Megatron merge dropped
   generation_config.json and its second EOS id.
 - Tied embeddings are stored once and stay one tensor after reload (verl saved them twice and, under
   transformers 5, did not re-tie them).
