@@ -1,14 +1,17 @@
-"""What PPO does to the embedded default's planted habit: greedy held-out answers, classified.
+"""The embedded default's planted habit: what training does to it, and where a KL lets it stop.
 
-    python -m rlhf.habit outputs/tiny        # a run's trainer.output_dir
+    python -m rlhf.habit outputs/tiny                                # a run's greedy answers, classified
+    python -m rlhf.habit --predict --config configs/tiny.yaml --beta 0.1 0.3   # where each KL stops it
 
 The warm-start demos of the embedded default end, for most multi-step problems, with the first step's
 result instead of the last (`embedded.sft_early_answer_frac`, see `rlhf.embedded`). The trainer logs the
 share of such answers at every evaluation (`habit_metric`: `val/habit_rate` sampled, `val/greedy_habit_rate`
-greedy); this command reads a finished run. For the warm start and
-for every checkpoint of the run, this decodes the held-out split greedily and counts the answers that are
-correct, that report the first step's result (the habit), and that are otherwise wrong. docs/results.md's table
-comes from this command.
+greedy). The first command decodes the held-out split greedily for the warm start and every checkpoint of a
+finished run and counts the answers that are correct, that report the first step's result (the habit), and
+that are otherwise wrong (docs/results.md's table). The second reads the warm start's probabilities at the
+habit's decision token (`decision_probabilities`) and says where training stops on them with k3 in the loss
+(the forward KL) and with k3+ (the reverse KL), by the exact solver (docs/kl.md, "The habit a forward KL
+keeps").
 """
 
 from __future__ import annotations
@@ -114,17 +117,34 @@ def habit_limits(ref_probs: torch.Tensor, beta: float) -> dict[str, torch.Tensor
             "reverse": reverse_kl_optimum(ref_probs, rewards, beta)[:, 0]}
 
 
-def predict(model, tokenizer, problems, betas, temperature: float = 1.0) -> dict:
+def solver_limits(ref_probs: torch.Tensor, beta: float, advantage: str = "rloo", n: int | None = 4
+                  ) -> dict[str, torch.Tensor]:
+    """(N,) the habit's probability where the exact solver (rlhf.theory.fixed_points) takes k3 and k3+ in
+    the loss from each decision of `ref_probs` (N, 3), under the trainer's advantage estimator `advantage`
+    with group size n: habit_limits' two optima where the clamp and the estimator leave them (RLOO, beta >=
+    0.15), elsewhere the corner or the point the estimator moves them to (docs/kl.md)."""
+    from rlhf.theory.fixed_points import bandit_fixed_point
+
+    rewards = torch.tensor(DECISION_REWARDS, dtype=torch.float64)
+    return {name: torch.stack([bandit_fixed_point(row, rewards, beta, estimator, "loss", advantage=advantage,
+                                                  n=n)[0] for row in ref_probs])
+            for name, estimator in (("k3", "k3"), ("k3+", "k3+"))}
+
+
+def predict(model, tokenizer, problems, betas, temperature: float = 1.0, advantage: str = "rloo",
+            n: int | None = 4) -> dict:
     """The prediction for `problems` (all the held-out split): the decision probabilities' summary and, per
-    beta, the mean habit probability at the forward- and reverse-KL limits, summed over the habit-prone
-    problems and divided by all of them (the habit rate if every response reached the decision with the
-    right reasoning lines; reference: the same for pi_ref)."""
+    beta, the habit rate where training stops (each habit-prone problem's habit probability, summed and
+    divided by all problems: the rate if every response reached the decision with the right reasoning lines)
+    for k3 in the loss and for k3+ in the loss (which k2 and full in the loss and k1 in the reward share under
+    RLOO) by the exact solver, and the closed-form forward-KL optimum; `reference_rate`: the same for pi_ref."""
     ref = decision_probabilities(model, tokenizer, problems, temperature)
     total = len(problems["question"])
     out = {"num_problems": total, "num_habit_prone": len(ref), "q_mean": ref[:, 0].mean().item(),
-           "q_median": ref[:, 0].median().item(), "reference_rate": ref[:, 0].sum().item() / total, "betas": {}}
+           "q_median": ref[:, 0].median().item(), "right_median": ref[:, 1].median().item(),
+           "reference_rate": ref[:, 0].sum().item() / total, "advantage": advantage, "n": n, "betas": {}}
     for beta in betas:
-        limits = habit_limits(ref, beta)
+        limits = {**solver_limits(ref, beta, advantage, n), "forward_optimum": habit_limits(ref, beta)["forward"]}
         out["betas"][beta] = {name: pi.sum().item() / total for name, pi in limits.items()}
     return out
 
@@ -161,14 +181,47 @@ def report(output_dir: str) -> list[tuple[str, Counter]]:
     return rows
 
 
+def print_prediction(config: str, betas: list[float]) -> None:
+    """`--predict`: the prediction table of docs/kl.md, "The habit a forward KL keeps", for `config`'s warm
+    start (its embedded cache, built if missing) and held-out problems, under RLOO's advantages."""
+    from rlhf.config import load_config
+    from rlhf.data import load_gsm8k
+    from rlhf.embedded import prepare_embedded_default
+    from rlhf.models import load_causal_lm, load_tokenizer
+    from rlhf.setup import embedded_cache_dir
+
+    cfg = load_config(config)
+    artifacts = prepare_embedded_default(embedded_cache_dir(cfg), cfg.embedded)
+    problems = load_gsm8k(artifacts.val_file, cfg.data.val_split)
+    pred = predict(load_causal_lm(artifacts.model_dir).eval(), load_tokenizer(artifacts.model_dir), problems, betas,
+                   cfg.rollout.temperature)
+    print(f"{pred['num_habit_prone']} of {pred['num_problems']} held-out problems can show the habit; at the "
+          f"decision token the warm start gives it q = {pred['q_mean']:.3f} on average (median "
+          f"{pred['q_median']:.3f}) and the right token {pred['right_median']:.3f} (median); habit rate if every "
+          f"response reached the decision: {pred['reference_rate']:.3f}. Where training stops (RLOO, n = 4):\n")
+    print("| beta | k3 in the loss | k3+, k2, full in the loss; k1 in the reward | forward-KL optimum (no clamp) |")
+    print("|---|---|---|---|")
+    for beta, limits in pred["betas"].items():
+        print(f"| {beta} | {limits['k3']:.3f} | {limits['k3+']:.3f} | {limits['forward_optimum']:.3f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m rlhf.habit OUTPUT_DIR`: print `report` as docs/results.md's markdown table."""
+    """`python -m rlhf.habit OUTPUT_DIR`: print `report` as docs/results.md's markdown table;
+    `python -m rlhf.habit --predict --config configs/tiny.yaml --beta 0.1 0.3`: `print_prediction`."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("output_dir", help="trainer.output_dir of a run of the embedded default")
-    output_dir = parser.parse_args(argv).output_dir
+    parser.add_argument("output_dir", nargs="?", help="trainer.output_dir of a run of the embedded default")
+    parser.add_argument("--predict", action="store_true", help="where a KL stops the habit, from the warm start")
+    parser.add_argument("--config", default="configs/tiny.yaml", help="--predict: the embedded default's config")
+    parser.add_argument("--beta", type=float, nargs="+", default=[0.1, 0.15, 0.2, 0.3], help="--predict: coefficients")
+    args = parser.parse_args(argv)
     import transformers
 
     transformers.logging.disable_progress_bar()  # "Loading weights" bars between the table's rows
+    if args.predict:
+        return print_prediction(args.config, args.beta)
+    if args.output_dir is None:
+        parser.error("give a run's output_dir, or --predict")
+    output_dir = args.output_dir
     print("| greedy held-out answers | correct | reports the first step's result (habit) | other wrong answer |")
     print("|---|---|---|---|")
     for label, counts in report(output_dir):
