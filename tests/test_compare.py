@@ -113,7 +113,8 @@ def test_help_lists_the_grid_steps_and_output_options():
 
 # Each sweep file and what it must equal: rlhf.compare's grid, regime, seeds (`--seeds`) and output
 # directory. Another regime's file goes here too; every sweep test runs on each.
-SWEEPS = {"kl_estimators.yaml": dict(grid="ppo", regime="separating", seeds=3, output_dir="outputs/kl_estimators")}
+SWEEPS = {"kl_estimators.yaml": dict(grid="ppo", regime="separating", seeds=3, output_dir="outputs/kl_estimators"),
+          "kl_binding.yaml": dict(grid="ppo", regime="binding", seeds=3, output_dir="outputs/kl_binding")}
 
 
 def load_sweep(name: str = "kl_estimators.yaml") -> dict:
@@ -187,9 +188,11 @@ def test_sweep_file_validates_against_the_wandb_schema(name):
 
 @pytest.mark.parametrize("name", SWEEPS)
 def test_every_sweep_parameter_is_a_real_config_key(name):
-    for key, spec in load_sweep(name)["parameters"].items():
+    params = load_sweep(name)["parameters"]
+    constants = [f"{key}={spec['value']}" for key, spec in params.items() if "value" in spec]  # sizes go together
+    for key, spec in params.items():
         for value in spec.get("values", [spec.get("value")]):
-            load_config(TINY, [f"{key}={value}"])  # raises ConfigError on an unknown key or a bad value
+            load_config(TINY, [*constants, f"{key}={value}"])  # raises ConfigError on an unknown key or a bad value
     with pytest.raises(ConfigError, match="unknown config key"):
         load_config(TINY, ["trainer.experiment_nam=x"])
 
@@ -204,9 +207,9 @@ def test_sweep_constants_match_the_runners_regime_and_seeds(name):
     assert params["actor.kl_loss_coef"]["value"] == params["algorithm.kl_ctrl.kl_coef"]["value"]
     assert params["rollout.paired_noise"]["value"] is True
     config = compare.GRIDS[spec["grid"]].config
-    for override in regime.overrides:  # e.g. actor.lr=2e-4
-        key, _, value = override.partition("=")
-        assert load_config(config, [f"{key}={params[key]['value']}"]) == load_config(config, [override]), key
+    keys = [override.partition("=")[0] for override in regime.overrides]  # e.g. actor.lr (sizes go together)
+    assert (load_config(config, [f"{key}={params[key]['value']}" for key in keys])
+            == load_config(config, list(regime.overrides))), keys
     first = load_config(config).trainer.seed  # --seeds N starts from the config's seed
     assert params["trainer.seed"]["values"] == compare.seed_list(first, spec["seeds"])
 
@@ -240,7 +243,8 @@ def test_wandb_agent_runs_the_runners_grid_with_its_seeds(name, tmp_path):
     points = planned_runs(sweep)
     as_text = lambda runs: sorted(json.dumps(run, sort_keys=True) for run in runs)
     assert as_text(points) == as_text(sweep_points(sweep))  # the planner's grid is the product, no more, no less
-    arms = [compare.Arm.parse(text) for text in compare.GRIDS[spec["grid"]].runs]
+    regime = compare.REGIMES[spec["regime"]]
+    arms = [compare.Arm.parse(text) for text in regime.runs or compare.GRIDS[spec["grid"]].runs]
     first = load_config(compare.GRIDS[spec["grid"]].config).trainer.seed
     expected = compare.grid_jobs(arms, compare.seed_list(first, spec["seeds"]))
     seen = []
@@ -868,3 +872,62 @@ def test_claim_b_says_where_k1_in_the_loss_ends_when_that_resolves(claim_grid, a
     (b,) = [c for c in compare.claims(compare.group_runs(compare.load_runs(str(claim_grid)))) if c.name == "(b)"]
     assert b.verdict == verdict
     assert b.effect == f"+{above:.3f} ± 0.000 (3 seeds); {share} of (a)'s smallest (loss:k3: -0.633)"
+
+
+# ----------------------------------------------------------------------------- the binding regime and the habit
+
+
+def test_the_binding_regime_runs_rloo_at_a_coefficient_kept_by_the_clamp():
+    """Its runs hold the issue's list; each run's config is RLOO (its advantages leave the coefficient as set)
+    with one coefficient in both places; and at that coefficient the solver takes k3 in the loss onto the
+    forward-KL optimum (verl's clamp sends it to the corner at 0.1) for a typical decision of the habit."""
+    import torch
+
+    from rlhf.habit import DECISION_REWARDS, habit_limits
+    from rlhf.theory.fixed_points import bandit_fixed_point
+
+    regime = compare.REGIMES["binding"]
+    assert set(regime.runs) >= {"no-kl", "reward:k1", "loss:k3", "loss:k3+", "loss:k2", "loss:full"}
+    shared = compare.shared_overrides(regime.steps, regime.kl_coef, None, "g", regime.overrides)
+    for text in regime.runs:
+        cfg = load_config(compare.DEFAULT_CONFIG, compare.run_overrides(compare.Arm.parse(text), "out", "c", shared, []))
+        assert cfg.algorithm.adv_estimator == "rloo" and cfg.rollout.n > 1 and cfg.trainer.val_samples > 0
+        assert cfg.actor.kl_loss_coef == cfg.algorithm.kl_ctrl.kl_coef == regime.kl_coef
+    rewards = torch.tensor(DECISION_REWARDS, dtype=torch.float64)
+    row = torch.tensor([0.82, 0.10, 0.08], dtype=torch.float64)  # a decision of the warm start's (q, p, other)
+    for beta, lands in ((regime.kl_coef, True), (0.1, False)):
+        k3 = bandit_fixed_point(row, rewards, beta, "k3", "loss", advantage="rloo", n=4)[0].item()
+        assert (abs(k3 - habit_limits(row[None], beta)["forward"].item()) < 1e-9) == lands, beta
+
+
+def habit_rows(habit: float, forward: float) -> list[dict]:
+    """Steps 1 and 2 with kl/full_forward `forward` and, at step 2, val/habit_rate `habit`."""
+    rows = [{"step": s, "kl/full": 0.1, "kl/full_forward": forward, "critic/score/mean": 0.3} for s in (1, 2)]
+    rows[-1].update({"val/accuracy": 0.5, "val/pass@1": 0.4, "val/habit_rate": habit})
+    return rows
+
+
+def test_habit_claims_pair_k3_with_k3_plus_by_seed(tmp_path):
+    """k3 keeps 0.10 of the habit and k3+ 0.20 (+-0.01 by seed): the paired k3 - k3+ resolves below 0, so the
+    claim is resolved when the prediction says less (-1), contradicted when it says more (+1); the forward KL
+    of k3 below k3+'s resolves; accuracy is measured, not claimed. The report shows both columns."""
+    for seed, noise in zip((1, 2, 3), (-0.01, 0.0, 0.012)):
+        write_run(tmp_path / "loss-k3" / f"seed{seed}", seed, habit_rows(0.10 + noise, 0.05),
+                  actor__use_kl_loss=True, actor__kl_loss_type="k3")
+        write_run(tmp_path / "loss-k3+" / f"seed{seed}", seed, habit_rows(0.20 + noise * 0.9, 0.15 + noise),
+                  actor__use_kl_loss=True, actor__kl_loss_type="k3+")
+    groups = compare.group_runs(compare.load_runs(str(tmp_path)))
+    from rlhf.compare.habit import habit_claims
+
+    for sign, expected in ((-1, "resolved"), (1, "contradicted")):
+        by_measure = {c.measure: c for c in habit_claims(groups, sign)}
+        habit = by_measure["val/habit_rate (end of run): loss:k3 − loss:k3+"]
+        assert habit.verdict == expected and habit.difference.mean == pytest.approx(-0.1 + 0.0002 / 3)
+        assert by_measure["kl/full_forward (end of run): loss:k3 − loss:k3+"].verdict == "resolved"
+        assert by_measure["val/habit_rate (end of run): loss:k3 − loss:k2"].verdict.startswith("not measured")
+        assert by_measure["val/accuracy (end of run): loss:k3 − loss:k3+"].verdict.startswith("not resolved")
+    _, md = compare.write_report(str(tmp_path))
+    text = open(md).read()
+    assert "final sampled val/habit_rate" in text and "k3 in the loss keeps a different share" in text
+    curves = json.load(open(tmp_path / "curves.json"))
+    assert curves["loss:k3"]["curves"]["val/habit_rate"]["mean"] == [pytest.approx(0.10 + 0.002 / 3, abs=1e-5)]

@@ -28,7 +28,8 @@ def _regimes_text() -> str:
     parts = []
     for name, regime in REGIMES.items():
         coef = "the config's coefficient" if regime.kl_coef is None else f"coefficient {regime.kl_coef}"
-        parts.append(f"{name} ({', '.join([coef, f'{regime.steps} steps', *regime.overrides])})")
+        runs = [f"runs {' '.join(regime.runs)}"] if regime.runs else []
+        parts.append(f"{name} ({', '.join([coef, f'{regime.steps} steps', *regime.overrides, *runs])})")
     return "; ".join(parts)
 
 
@@ -102,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.grid in LANDING_TASKS:
         return landing_main(args)
     grid = GRIDS[args.grid]
-    args.runs = list(grid.runs) if args.runs is None else args.runs
-    args.config = args.config or grid.config
-    args.output_dir = args.output_dir or grid.output_dir
     regime = REGIMES[args.regime or grid.regime]
+    args.runs = list(regime.runs or grid.runs) if args.runs is None else args.runs
+    args.config = args.config or grid.config
+    args.output_dir = args.output_dir or regime.output_dir or grid.output_dir
     args.steps = regime.steps if args.steps is None else args.steps
     if args.report_only:
         png, md = write_report(args.report_only)

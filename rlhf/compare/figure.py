@@ -126,7 +126,10 @@ def plot_report(groups: list[Group], results: list[Claim], path: str, title: str
     curves = [
         (REVERSE, "Exact reverse KL(π‖π_ref) on the sampled responses", "kl/full (nats per token, log)", True),
         (FORWARD, "Exact forward KL(π_ref‖π) on the same tokens", "kl/full_forward (nats per token, log)", True),
-        ("critic/score/mean", "Task reward on the sampled responses", "critic/score/mean (fraction correct)", False),
+        ("critic/score/mean", "Task reward on the sampled responses", "critic/score/mean (fraction correct)", False)
+        if not any(run.final("val/habit_rate") is not None for g in groups for run in g.runs) else
+        ("val/habit_rate", "The planted habit: sampled held-out answers that report the first step's result",
+         "val/habit_rate (fraction of sampled answers)", False),
         ("val/accuracy", "Held-out accuracy, greedy decoding", "val/accuracy (fraction correct)", False),
     ]
     for ax, (key, heading, ylabel, log) in zip([middle[0], middle[1], middle[3], middle[4]], curves):

@@ -44,11 +44,14 @@ GRPO_GRID = ("no-kl", "loss:k1", "loss:k3", "loss:k3+", "loss:k2", "loss:full")
 @dataclass(frozen=True)
 class Regime:
     """How far a comparison's runs move from pi_ref: the one KL coefficient (None: the config's
-    algorithm.kl_ctrl.kl_coef), the PPO steps per run and the trainer overrides every run gets."""
+    algorithm.kl_ctrl.kl_coef), the PPO steps per run and the trainer overrides every run gets; a regime may
+    name its own runs and output directory (None: the grid's)."""
 
     kl_coef: float | None
     steps: int
     overrides: tuple[str, ...] = ()
+    runs: tuple[str, ...] | None = None
+    output_dir: str | None = None
 
 
 # `separating`, the ppo grid's default: a learning rate 4x configs/tiny.yaml's, so that without a KL the
@@ -58,7 +61,19 @@ class Regime:
 # three seeds", has what `--seeds 3` resolves and how long it takes).
 # `small`: the configs' own learning rate and coefficient (0.01 in configs/tiny.yaml), 20 steps: the
 # policy stays so close to pi_ref that no placement's effect resolves; the grpo grid's default.
-REGIMES = {"separating": Regime(0.1, 20, ("actor.lr=2e-4",)), "small": Regime(None, 20)}
+# `binding`: where a KL loss decides where training stops, so that k3 (the forward KL) and k3+ (the reverse
+# KL) part on the planted habit (docs/kl.md, "The habit a forward KL keeps"). RLOO, because its advantages
+# leave the coefficient as set (GAE's whitening and GRPO's std take both KL losses towards the corner);
+# coefficient 0.3, where verl's clamp leaves k3's floor alone and the two limits lie 0.11 apart in habit
+# rate; configs/tiny_grpo.yaml's batch (16 prompts x 4 responses) and learning rate 3e-4 (2e-4 moved the
+# habit a quarter of the way in 40 steps, 4e-4 and 5e-4 cost a third of the accuracy by step 10), 80 steps;
+# sampled evaluation (4 responses per problem) every 20 steps for val/habit_rate and val/pass@1.
+BINDING = Regime(0.3, 80, ("algorithm.adv_estimator=rloo", "rollout.n=4", "data.train_batch_size=16",
+                           "actor.ppo_mini_batch_size=8", "actor.lr=3e-4", "trainer.val_samples=4",
+                           "trainer.test_freq=20"),
+                 runs=("no-kl", "reward:k1", "loss:k2", "loss:k3", "loss:k3+", "loss:full"),
+                 output_dir="outputs/kl_binding")
+REGIMES = {"separating": Regime(0.1, 20, ("actor.lr=2e-4",)), "small": Regime(None, 20), "binding": BINDING}
 # Every run samples with common random numbers: same seed, same step -> same sampling noise, so runs with
 # the same seed differ only where their policies do, and differences between them are paired.
 PAIRED_NOISE = "rollout.paired_noise=true"

@@ -15,6 +15,7 @@ import os
 
 from rlhf.compare.claims import FORWARD, LAST_STEPS, REFERENCE, REVERSE, claims, claims_table, late, unresolved
 from rlhf.compare.figure import plot_report
+from rlhf.compare.habit import HABIT, SAMPLED_ACCURACY, habit_claims, prediction, prediction_lines, predicted_sign
 from rlhf.labels import legend_name
 from rlhf.compare.runs import Group, Run, duplicate_seeds, group_runs, load_runs
 from rlhf.compare.stats import Estimate, excludes_zero, paired_differences
@@ -29,6 +30,17 @@ OUTCOMES = (
     ("final val/accuracy", lambda run: run.final("val/accuracy"), ".3f"),
     ("mean reward", lambda run: run.average("critic/score/mean"), ".3f"),
 )
+# With trainer.val_samples (and, for the habit, the embedded default's held-out problems): the sampled ones.
+SAMPLED_OUTCOMES = (
+    ("final sampled val/pass@1", lambda run: run.final(SAMPLED_ACCURACY), ".3f"),
+    ("final sampled val/habit_rate", lambda run: run.final(HABIT), ".3f"),
+)
+
+
+def outcomes(groups: list[Group]) -> tuple:
+    """OUTCOMES, and each of SAMPLED_OUTCOMES that some run logged."""
+    logged = [o for o in SAMPLED_OUTCOMES if any(o[1](run) is not None for g in groups for run in g.runs)]
+    return (*OUTCOMES, *logged)
 
 
 def interval_cell(estimate: Estimate, spec: str) -> str:
@@ -66,13 +78,13 @@ def report_table(groups: list[Group]) -> str:
     seeds)."""
     reference = next((g for g in groups if g.label == REFERENCE), None)
     head = ["run", "seeds", "steps"]
-    for name, _, _ in OUTCOMES:
+    for name, _, _ in outcomes(groups):
         head += [f"{name} (mean ± 95% CI)"] + ([f"Δ {name} vs no KL (paired)"] if reference else [])
     head += [f"{e} bias (mean ± 95% CI)" for e in PANEL_ESTIMATORS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for group in groups:
         cells = [legend_name(group.label), _seeds_cell(group), _steps_cell(group)]
-        for _, number, spec in OUTCOMES:
+        for _, number, spec in outcomes(groups):
             cells.append(interval_cell(group.estimate(number), spec))
             if reference is group:
                 cells.append("reference")
@@ -173,7 +185,9 @@ def write_report(directory: str, status: dict[str, str] | None = None) -> tuple[
     if not runs:
         raise FileNotFoundError(f"no train.py runs (metrics.jsonl + config.yaml) under {directory!r}")
     groups = group_runs(runs)
-    results = claims(groups)
+    habit = prediction(runs)
+    beta = runs[0].config["actor"]["kl_loss_coef"]
+    results = claims(groups) + habit_claims(groups, predicted_sign(habit, beta))
     steps = _common(runs, lambda c: c["trainer"]["total_steps"])
     coef = _common(runs, lambda c: _coefficients(c["algorithm"]["kl_ctrl"]["kl_coef"], c["actor"]["kl_loss_coef"]))
     lr = _common(runs, lambda c: c["actor"].get("lr"))
@@ -184,8 +198,35 @@ def write_report(directory: str, status: dict[str, str] | None = None) -> tuple[
     md = os.path.join(directory, f"{REPORT_NAME}.md")
     plot_report(groups, results, png, title)
     lines = [f"# {title}", "", "## Claims", "", claims_table(results), "", *_claims_text(), "",
-             "## Per run", "", *_explanation(groups, coef), "", report_table(groups), "",
+             *prediction_lines(habit, groups), "## Per run", "", *_explanation(groups, coef), "", report_table(groups), "",
              f"![KL estimators]({REPORT_NAME}.png)", *_notes(groups, status)]
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")
+    write_curves(groups, os.path.join(directory, CURVES_NAME))
     return png, md
+
+
+CURVES_NAME = "curves.json"  # the mean curves, small enough to ship (the notebook plots docs/kl_binding_curves.json)
+CURVE_KEYS = ("kl/full", "kl/full_forward", "val/accuracy", "val/pass@1", "val/habit_rate", "critic/score/mean")
+
+
+def write_curves(groups: list[Group], path: str) -> None:
+    """{label: {key: {"steps", "mean", "low", "high"}}} for CURVE_KEYS, each the mean over seeds with its 95%
+    interval (figure.mean_curve; null where one seed), rounded to 5 decimals, as JSON at `path`."""
+    import json
+
+    from rlhf.compare.figure import mean_curve
+
+    def rounded(values):
+        return [None if v != v else round(v, 5) for v in values]  # NaN (one seed: no interval) -> null
+
+    out = {}
+    for group in groups:
+        curves = {}
+        for key in CURVE_KEYS:
+            steps, mean, low, high = mean_curve(group.runs, key)
+            if steps:
+                curves[key] = {"steps": steps, "mean": rounded(mean), "low": rounded(low), "high": rounded(high)}
+        out[group.label] = {"seeds": group.seeds, "curves": curves}
+    with open(path, "w") as f:
+        json.dump(out, f)
