@@ -1,8 +1,8 @@
 """PPO on GSM8K with a KL penalty in the reward, in the actor loss, both or neither.
 
     python train.py --config configs/tiny.yaml                    # embedded default: CPU, no network
-    accelerate launch train.py --config configs/gsm8k_qwen2.5_0.5b.yaml \\
-        actor.use_kl_loss=true actor.kl_loss_type=k3+ trainer.total_steps=200
+    accelerate launch train.py --config configs/gsm8k_qwen2.5_0.5b.yaml   # the GPU recipe (docs/gpu.md)
+    python train.py --config configs/tiny.yaml actor.use_kl_loss=true actor.kl_loss_type=k3+   # any key=value
 
 One step reads like the algorithm (`train_step`):
     rollout (sample rollout.n responses per prompt; old log-probs where needed, reference log-probs, exact
