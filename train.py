@@ -46,8 +46,8 @@ from rlhf.processes import (launch_warnings, mean_over_processes, process_share,
                             token_weighted_means)
 from rlhf.rollout import (SamplingParams, generate, is_stop_token, left_pad, logprobs_and_logits,
                           paired_noise_generator, response_values, slice_batch, stop_token_ids)
-from rlhf.embedded import cache_entry
-from rlhf.setup import Setup, embedded_cache_dir, setup, shard_on_cpu
+from rlhf.embedded import cache_entry, embedded_cache_dir
+from rlhf.setup import Setup, setup, shard_on_cpu
 from rlhf.tracking import (MetricsLogger, Timer, eval_line, read_metrics, run_summary, truncate_metrics,
                            wandb_available)
 

@@ -302,6 +302,12 @@ def config_hash(cfg: EmbeddedConfig) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
+def embedded_cache_dir(cfg) -> str:
+    """Where a run of config `cfg` (an rlhf.config.Config) builds and caches the embedded default:
+    trainer.cache_dir, else <output_dir>/embedded."""
+    return cfg.trainer.cache_dir or os.path.join(cfg.trainer.output_dir, "embedded")
+
+
 def cache_entry(cache_dir: str, cfg: EmbeddedConfig) -> str:
     """The directory under `cache_dir` that holds the task built from `cfg`: `embedded-<config_hash(cfg)>`."""
     return os.path.join(cache_dir, f"embedded-{config_hash(cfg)}")

@@ -221,7 +221,7 @@ def evaluate_models(cfg: Config, models: dict[str, str], config_path: str | None
     from accelerate import Accelerator
 
     from rlhf.evaluation import evaluate_per_problem
-    from rlhf.setup import embedded_cache_dir
+    from rlhf.embedded import embedded_cache_dir
 
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ConfigError("python -m rlhf.evaluate runs in one process; start it with python, not with several "

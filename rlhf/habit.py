@@ -188,7 +188,7 @@ def print_prediction(config: str, betas: list[float]) -> None:
     from rlhf.data import load_gsm8k
     from rlhf.embedded import prepare_embedded_default
     from rlhf.models import load_causal_lm, load_tokenizer
-    from rlhf.setup import embedded_cache_dir
+    from rlhf.embedded import embedded_cache_dir
 
     cfg = load_config(config)
     artifacts = prepare_embedded_default(embedded_cache_dir(cfg), cfg.embedded)

@@ -20,6 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from rlhf import core_algos, kl, synthetic
 from rlhf.config import Config
 from rlhf.data import load_gsm8k, tokenize_prompts
+from rlhf.embedded import embedded_cache_dir
 from rlhf.models import load_causal_lm, load_critic, load_tokenizer
 from rlhf.rewards import RewardFn, load_reward
 from rlhf.sampler import PromptSampler
@@ -146,9 +147,6 @@ def prepare_data_and_models(cfg: Config, accelerator: Accelerator):
     return (tokenizer, train_set, val_set, *load_models(cfg, model_path))
 
 
-def embedded_cache_dir(cfg: Config) -> str:
-    """Where the embedded default is built and cached: trainer.cache_dir, else <output_dir>/embedded."""
-    return cfg.trainer.cache_dir or os.path.join(cfg.trainer.output_dir, "embedded")
 
 
 def load_held_out(cfg: Config, tokenizer, val_source: str):
