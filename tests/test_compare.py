@@ -931,3 +931,18 @@ def test_habit_claims_pair_k3_with_k3_plus_by_seed(tmp_path):
     assert "final sampled val/habit_rate" in text and "k3 in the loss keeps a different share" in text
     curves = json.load(open(tmp_path / "curves.json"))
     assert curves["loss:k3"]["curves"]["val/habit_rate"]["mean"] == [pytest.approx(0.10 + 0.002 / 3, abs=1e-5)]
+
+
+def test_second_half_measures_how_far_a_run_still_moved(tmp_path):
+    """An evaluation metric: last value minus the one at half the steps; a per-step metric: the mean of the
+    last 5 steps minus that of the 5 steps up to half."""
+    from rlhf.compare.habit import second_half
+
+    rows = [{"step": s, "kl/full": 0.01 * s} for s in range(1, 21)]
+    for step, habit in ((10, 0.3), (20, 0.25)):
+        rows[step - 1]["val/habit_rate"] = habit
+    write_run(tmp_path / "run", 1, rows, total_steps=20)
+    (run,) = compare.load_runs(str(tmp_path))
+    assert second_half("val/habit_rate")(run) == pytest.approx(0.25 - 0.3)
+    assert second_half("kl/full")(run) == pytest.approx(0.01 * (18 - 8))  # steps 16-20 against 6-10
+    assert second_half("kl/full_forward")(run) is None

@@ -124,6 +124,25 @@ def habit_claims(groups: list[Group], sign: int | None) -> list[Claim]:
     return out
 
 
+def second_half(key: str):
+    """A run -> how much `key` moved over the second half of the run: an evaluation metric from its value at
+    the evaluation nearest half the steps to its last value; a per-step one from the mean of the 5 steps up to
+    half the steps to the mean of the last 5. None if not logged."""
+
+    def change(run: Run) -> float | None:
+        steps, values = run.series(key)
+        if len(values) < 2:
+            return None
+        half = run.total_steps // 2
+        if len(values) < 10:  # an evaluation metric
+            middle = min(range(len(steps)), key=lambda i: abs(steps[i] - half))
+            return values[-1] - values[middle]
+        before = [v for s, v in zip(steps, values) if half - 5 < s <= half]
+        return sum(values[-5:]) / 5 - sum(before) / len(before) if before else None
+
+    return change
+
+
 def prediction_lines(pred: dict | None, groups: list[Group]) -> list[str]:
     """The report's habit section: the prediction per coefficient next to each run's measured end."""
     if pred is None:
@@ -145,7 +164,11 @@ def prediction_lines(pred: dict | None, groups: list[Group]) -> list[str]:
               f"{pred['num_problems']}, as the prediction's raw rate: k3 in the loss "
               + ", ".join(f"{k3:.3f}" for k3, _ in raw.values()) + "; the reverse KL "
               + ", ".join(f"{rev:.3f}" for _, rev in raw.values()) + f"; the warm start {pred['reference_rate']:.3f}).",
-              "", "| run | seeds | sampled val/habit_rate | decision token: habit's probability |", "|---|---|---|---|"]
+              "Settled: the change over the second half of the run, per seed then over seeds (the habit rate from "
+              "the evaluation at half the steps to the last; each KL from the mean of the 5 steps up to half the "
+              "steps to the mean of the last 5).",
+              "", "| run | seeds | sampled val/habit_rate | decision token: habit's probability | Δ habit rate, 2nd half "
+              "| Δ kl/full, 2nd half | Δ kl/full_forward, 2nd half |", "|---|---|---|---|---|---|---|"]
 
     def cell(values) -> str:
         estimate = Estimate(tuple(values))
@@ -156,6 +179,8 @@ def prediction_lines(pred: dict | None, groups: list[Group]) -> list[str]:
     for group in groups:
         sampled = [v for v in map(final(HABIT), group.runs) if v is not None]
         if sampled:
+            changes = [cell(v for v in map(second_half(key), group.runs) if v is not None)
+                       for key in (HABIT, "kl/full", FORWARD)]
             lines.append(f"| {group.label} | {len(sampled)} | {cell(sampled)} | "
-                         f"{cell(pred['decisions'].get(group.label, {}).values())} |")
+                         f"{cell(pred['decisions'].get(group.label, {}).values())} | " + " | ".join(changes) + " |")
     return lines + [""]
