@@ -100,7 +100,8 @@ FACTS = (
          r"the forward- and reverse-KL optima lie (0\.\d+) apart", (r"optima[^\n]{0,40}? lie (0\.\d+) apart",),
          ("docs/training.md",)),
     Fact("the sweep's runs", "docs/comparison.md#as-a-wb-sweep", r"so the grid is (\d+) runs",
-         (r"= (\d+) runs", r"exactly the (\d+) runs", r"the (\d+) runs of `python -m rlhf.compare --seeds 3`"),
+         (r"9 runs x seeds 42, 43, 44 = (\d+) runs", r"exactly the (\d+) runs",  # (the binding sweep has its own)
+          r"the (\d+) runs of `python -m rlhf.compare --seeds 3`"),
          ("README.md", "docs/results.md")),
     Fact("the separating grid's wall time, 3 seeds", "docs/results.md#the-separating-regime-three-seeds",
          r"\*\*(\d+\.\d) minutes\*\* for the 27 runs", (r"27 runs in (\d+(?:\.\d)?) min",)),
