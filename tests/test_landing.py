@@ -269,3 +269,20 @@ def test_the_tree_report_sets_the_cells_that_did_not_land_against_the_plain_grad
     assert rows["| gae | loss:k2"].endswith("| yes |")
     assert rows["| gae | loss:k3+"].endswith("| **no** |")  # k3+ has k2's gradient: the same end, far from ref
     assert "| rloo | loss:k2" not in rows and "not computed" in rows["| grpo | loss:k2"]
+
+
+@pytest.mark.parametrize("task", ["bandit", "tree"])
+def test_theory_kl_is_the_reverse_kl_and_kl_forward_the_forward_one(task, monkeypatch):
+    """theory/kl is KL(pi || ref) and theory/kl_forward KL(ref || pi), over the whole response (the tree's
+    joint over both tokens), pinned on a pair where the two directions differ by 0.2 nats: swapping them fails."""
+    ref = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
+    pi = torch.tensor([0.05, 0.15, 0.8], dtype=torch.float64)
+    if task == "tree":
+        ref, pi = ref[:, None] * ref, pi[:, None] * torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    monkeypatch.setattr(synthetic, "policy", lambda actor, task, temperature=1.0: pi)
+    landing = Landing(task, 1.0, ref, torch.zeros_like(ref), 0.3, "label", {})
+    metrics = landing.metrics(actor=None)
+    reverse, forward = (pi * (pi / ref).log()).sum().item(), (ref * (ref / pi).log()).sum().item()
+    assert abs(reverse - forward) > 0.1  # the test can tell the directions apart
+    assert metrics["theory/kl"] == pytest.approx(reverse, rel=1e-12)
+    assert metrics["theory/kl_forward"] == pytest.approx(forward, rel=1e-12)
