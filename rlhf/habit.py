@@ -100,6 +100,20 @@ def decision_probabilities(model, tokenizer, problems, temperature: float = 1.0)
     return torch.tensor(rows, dtype=torch.float64)
 
 
+def held_out_problems(cfg, log=lambda *_: None):
+    """(the embedded default's artifacts, its held-out problems with their answers) for config `cfg` (an
+    rlhf.config.Config): the first data.max_val_samples of them, as the trainer evaluates; the cache is built
+    if missing."""
+    from rlhf.data import load_gsm8k
+    from rlhf.embedded import embedded_cache_dir, prepare_embedded_default
+
+    artifacts = prepare_embedded_default(embedded_cache_dir(cfg), cfg.embedded, log=log)
+    problems = load_gsm8k(artifacts.val_file, cfg.data.val_split, cfg.data.subset)
+    if cfg.data.max_val_samples:
+        problems = problems.select(range(min(cfg.data.max_val_samples, len(problems))))
+    return artifacts, problems
+
+
 # The reward at the decision: reporting the right number is worth 1, the habit and any other token 0.
 DECISION_REWARDS = (0.0, 1.0, 0.0)
 
@@ -185,14 +199,10 @@ def print_prediction(config: str, betas: list[float]) -> None:
     """`--predict`: the prediction table of docs/kl.md, "The habit a forward KL keeps", for `config`'s warm
     start (its embedded cache, built if missing) and held-out problems, under RLOO's advantages."""
     from rlhf.config import load_config
-    from rlhf.data import load_gsm8k
-    from rlhf.embedded import prepare_embedded_default
     from rlhf.models import load_causal_lm, load_tokenizer
-    from rlhf.embedded import embedded_cache_dir
 
     cfg = load_config(config)
-    artifacts = prepare_embedded_default(embedded_cache_dir(cfg), cfg.embedded)
-    problems = load_gsm8k(artifacts.val_file, cfg.data.val_split)
+    artifacts, problems = held_out_problems(cfg, log=print)
     pred = predict(load_causal_lm(artifacts.model_dir).eval(), load_tokenizer(artifacts.model_dir), problems, betas,
                    cfg.rollout.temperature)
     print(f"{pred['num_habit_prone']} of {pred['num_problems']} held-out problems can show the habit; at the "

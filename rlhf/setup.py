@@ -60,13 +60,9 @@ def task_metrics(cfg: Config, accelerator: Accelerator, num_val: int) -> dict:
     other data (GSM8K from the hub or local files has no planted habit)."""
     if cfg.data.val_files != "embedded":
         return {}
-    from rlhf.embedded import prepare_embedded_default
-    from rlhf.habit import habit_metric
+    from rlhf.habit import habit_metric, held_out_problems
 
-    artifacts = prepare_embedded_default(embedded_cache_dir(cfg), cfg.embedded, log=lambda *_: None)  # cached by now
-    answers = load_gsm8k(artifacts.val_file, cfg.data.val_split, cfg.data.subset)["answer"]
-    if cfg.data.max_val_samples:
-        answers = answers[:cfg.data.max_val_samples]
+    answers = held_out_problems(cfg)[1]["answer"]  # the cache is built by now
     if len(answers) != num_val:  # prompts filtered by length: the rows would not line up with their answers
         raise ValueError(f"{len(answers) - num_val} held-out prompts are longer than data.max_prompt_length="
                          f"{cfg.data.max_prompt_length}; the habit metric needs every embedded problem")

@@ -52,9 +52,9 @@ def late(key: str) -> Callable[[Run], float | None]:
     return lambda run: run.late(key, LAST_STEPS)
 
 
-def paired(groups: dict[str, Group], run: str, reference: str, key: str) -> Estimate:
-    """The paired difference run − reference of `key` (late) over their common seeds."""
-    number = late(key)
+def paired(groups: dict[str, Group], run: str, reference: str, key: str, number=None) -> Estimate:
+    """The paired difference run − reference of `number(run)` (default: `late(key)`) over their common seeds."""
+    number = number or late(key)
     return paired_differences(groups[run].per_seed(number), groups[reference].per_seed(number))
 
 
@@ -100,14 +100,14 @@ def _missing(groups: dict[str, Group], labels: tuple[str, ...], key: str) -> str
 
 
 def difference_claim(groups: dict[str, Group], name: str, text: str, run: str, reference: str, key: str,
-                     expected: int | None) -> Claim:
+                     expected: int | None, number=None, when: str = "") -> Claim:
     """A claim that `run` − `reference` of `key` is negative (expected -1), positive (+1) or, with None, just
-    measured."""
-    measure = f"{key}: {run} − {reference}"
+    measured; per seed `number(run)` (default: `late(key)`), `when` saying which value it is in the measure."""
+    measure = f"{key}{when}: {run} − {reference}"
     missing = _missing(groups, (run, reference), key)
     if missing:
         return Claim(name, text, measure, "n/a", missing)
-    difference = paired(groups, run, reference, key)
+    difference = paired(groups, run, reference, key, number)
     return Claim(name, text, measure, effect_text(difference), verdict(difference, expected), difference)
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 
-from rlhf.compare.claims import FORWARD, Claim, effect_text, verdict
+from rlhf.compare.claims import FORWARD, Claim, difference_claim
 from rlhf.compare.runs import Group, Run
-from rlhf.compare.stats import Estimate, paired_differences
+from rlhf.compare.stats import Estimate
 
 HABIT = "val/habit_rate"  # sampled at the rollout temperature (trainer.val_samples responses per problem)
 SAMPLED_ACCURACY = "val/pass@1"  # the sampled responses' accuracy
+END = " (end of run)"  # the claims' measure: an evaluation metric's last value, a KL's last steps
 FORWARD_RUNS = ("loss:k3",)  # regularise KL(ref || pi)
 REVERSE_RUNS = ("loss:k3+", "loss:k2", "loss:full", "reward:k1")  # regularise KL(pi || ref)
 
@@ -36,32 +37,26 @@ def prediction(runs: list[Run]) -> dict | None:
     predicted reference rate: responses that miss the reasoning lines never reach the decision), and each
     limit times it. None unless every run is the embedded default with val/habit_rate logged and its warm
     start cached."""
-    from rlhf.config import EmbeddedConfig
-    from rlhf.data import load_gsm8k
-    from rlhf.embedded import cache_entry, prepare_embedded_default
-    from rlhf.habit import predict
+    from rlhf.config import from_dict
+    from rlhf.embedded import cache_entry, embedded_cache_dir
+    from rlhf.habit import held_out_problems, predict
     from rlhf.models import load_causal_lm, load_tokenizer
 
     configs = [run.config for run in runs]
     starts = [run.series(HABIT)[1][0] for run in runs if run.series(HABIT)[0][:1] == [0]]
     if not starts or any(c["model"]["path"] != "embedded" or c["data"]["val_files"] != "embedded" for c in configs):
         return None
-    config = configs[0]
-    embedded = EmbeddedConfig(**config["embedded"])
-    cache_dir = config["trainer"]["cache_dir"] or os.path.join(config["trainer"]["output_dir"], "embedded")
-    if not os.path.isdir(cache_entry(cache_dir, embedded)):
+    cfg = from_dict(configs[0])
+    if not os.path.isdir(cache_entry(embedded_cache_dir(cfg), cfg.embedded)):
         return None
     betas = sorted({c["actor"]["kl_loss_coef"] for c in configs} | {c["algorithm"]["kl_ctrl"]["kl_coef"] for c in configs})
-    artifacts = prepare_embedded_default(cache_dir, embedded, log=lambda *_: None)
-    problems = load_gsm8k(artifacts.val_file, config["data"]["val_split"])
-    if config["data"].get("max_val_samples"):
-        problems = problems.select(range(min(config["data"]["max_val_samples"], len(problems))))
+    artifacts, problems = held_out_problems(cfg)
     # (the solver inside takes gradients: no torch.no_grad here; decision_probabilities has its own)
     out = predict(load_causal_lm(artifacts.model_dir).eval(), load_tokenizer(artifacts.model_dir), problems,
-                  betas, config["rollout"]["temperature"])
+                  betas, cfg.rollout.temperature)
     out["measured_start"] = sum(starts) / len(starts)
     out["reach"] = out["measured_start"] / out["reference_rate"]
-    out["decisions"] = decision_rates(runs, problems, config["rollout"]["temperature"])
+    out["decisions"] = decision_rates(runs, problems, cfg.rollout.temperature)
     return out
 
 
@@ -92,17 +87,6 @@ def predicted_sign(pred: dict | None, beta: float) -> int | None:
     return 1 if limits["k3"] > limits["k3+"] else -1
 
 
-def _claim(groups: dict[str, Group], name: str, text: str, run: str, reference: str, key: str,
-           expected: int | None, number) -> Claim:
-    measure = f"{key} (end of run): {run} − {reference}"
-    if run not in groups or reference not in groups:
-        return Claim(name, text, measure, "n/a", f"not measured (no {run if run not in groups else reference} run)")
-    difference = paired_differences(groups[run].per_seed(number), groups[reference].per_seed(number))
-    if difference.n == 0:
-        return Claim(name, text, measure, "n/a", f"not measured (no {key} logged)")
-    return Claim(name, text, measure, effect_text(difference), verdict(difference, expected), difference)
-
-
 def habit_claims(groups: list[Group], sign: int | None) -> list[Claim]:
     """k3 in the loss against k3+ and against k2 in the loss: the sampled habit rate at the end (in the
     predicted direction `sign`, or just measured), the forward KL over the last steps (k3 below), and the
@@ -114,13 +98,13 @@ def habit_claims(groups: list[Group], sign: int | None) -> list[Claim]:
     out = []
     for other in ("loss:k3+", "loss:k2"):
         name = other.split(":")[1]
-        out.append(_claim(by_label, "habit", f"k3 in the loss keeps {more} of the habit than {name} (prediction)",
-                          "loss:k3", other, HABIT, sign, final(HABIT)))
-        out.append(_claim(by_label, "habit", f"k3 in the loss holds the forward KL below {name}", "loss:k3", other,
-                          FORWARD, -1, lambda r: r.late(FORWARD, 5)))
+        out.append(difference_claim(by_label, "habit", f"k3 in the loss keeps {more} of the habit than {name} "
+                                    "(prediction)", "loss:k3", other, HABIT, sign, final(HABIT), END))
+        out.append(difference_claim(by_label, "habit", f"k3 in the loss holds the forward KL below {name}", "loss:k3",
+                                    other, FORWARD, -1, when=END))
     for key in ("val/accuracy", SAMPLED_ACCURACY):
-        out.append(_claim(by_label, "habit", f"k3 against k3+ in the loss, {key}", "loss:k3", "loss:k3+", key, None,
-                          final(key)))
+        out.append(difference_claim(by_label, "habit", f"k3 against k3+ in the loss, {key}", "loss:k3", "loss:k3+",
+                                    key, None, final(key), END))
     return out
 
 
