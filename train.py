@@ -36,18 +36,17 @@ import yaml
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from rlhf import core_algos, evaluation, export, kl, ppo, rewards, synthetic
+from rlhf import core_algos, evaluation, export, kl, ppo, rewards
 from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_steps_message, check_resumable,
                              latest_checkpoint, save_checkpoint)
 from rlhf.labels import kl_tags
 from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
-from rlhf.landing import start_landing
 from rlhf.processes import (launch_warnings, mean_over_processes, process_share, stop_rule, sum_over_processes,
                             token_weighted_means)
 from rlhf.rollout import (SamplingParams, generate, is_stop_token, left_pad, logprobs_and_logits,
                           paired_noise_generator, response_values, slice_batch, stop_token_ids)
-from rlhf.embedded import cache_entry, embedded_cache_dir
 from rlhf.setup import Setup, setup, shard_on_cpu
+from rlhf.tasks import get_task
 from rlhf.tracking import (MetricsLogger, Timer, eval_line, read_metrics, run_summary, truncate_metrics,
                            wandb_available)
 
@@ -291,7 +290,8 @@ def main(cfg: Config) -> dict[str, float]:
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             f.write(resolved)
     run = setup(cfg, accelerator)
-    landing = start_landing(cfg, accelerator, run)  # a synthetic task's theory/* metrics; None otherwise
+    task = get_task(cfg.task.name)
+    task_metrics = task.step_metrics(cfg, accelerator, run)  # the task's own per-step metrics (rlhf.tasks), or None
     state = TrainerState()
     accelerator.register_for_checkpointing(state)
     for scheduler in (s for s in run.lr_schedulers if s is not None):  # after state: it stays custom_checkpoint_0
@@ -320,8 +320,8 @@ def main(cfg: Config) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if state.step == 0:
         metrics = evaluation.evaluate(cfg, accelerator, run, step=0)
-        if landing:
-            metrics.update(landing.metrics(accelerator.unwrap_model(run.models[0])))
+        if task_metrics:
+            metrics.update(task_metrics.metrics(accelerator.unwrap_model(run.models[0])))
         logger.log(metrics, step=0)
         accelerator.print(eval_line(0, metrics))
     progress = tqdm(range(state.step + 1, total + 1), desc="ppo", initial=state.step, total=total,
@@ -337,8 +337,8 @@ def main(cfg: Config) -> dict[str, float]:
                         with timer("testing"):
                             metrics.update(evaluation.evaluate(cfg, accelerator, run, step))
                 metrics.update(timer.metrics())
-                if landing:  # exact, from the logits (rlhf/landing.py)
-                    metrics.update(landing.metrics(accelerator.unwrap_model(run.models[0])))
+                if task_metrics:
+                    metrics.update(task_metrics.metrics(accelerator.unwrap_model(run.models[0])))
                 metrics.update({"actor/skipped_updates": skipped,
                                 "perf/throughput": num_tokens / metrics["timing_s/step"] / accelerator.num_processes})
                 if torch.accelerator.is_available():  # verl's name; the peak of this process's device so far
@@ -359,8 +359,8 @@ def main(cfg: Config) -> dict[str, float]:
                         break
     finally:
         logger.finish()
-    if landing and accelerator.is_main_process:  # pi_ref, the final policy and every candidate
-        landing.write(os.path.join(out_dir, "theory.json"), accelerator.unwrap_model(run.models[0]))
+    if task_metrics and accelerator.is_main_process:
+        task_metrics.finish(out_dir, accelerator.unwrap_model(run.models[0]))
     export.save_model(accelerator, run, cfg, export.model_dir(out_dir))  # the user's model (rlhf/export.py)
     if accelerator.is_main_process:
         rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
@@ -375,10 +375,9 @@ def outputs(cfg: Config, wandb_where: str) -> dict[str, str]:
     found = {"metrics": os.path.join(out_dir, "metrics.jsonl"), "wandb": wandb_where,
              "checkpoint": f"{latest_checkpoint(out_dir)} (resume: add trainer.resume_from=auto)",
              "model": f"{model} (transformers' from_pretrained)"}
-    if cfg.model.path not in synthetic.TASKS:
-        base = (os.path.join(cache_entry(embedded_cache_dir(cfg), cfg.embedded), "model")
-                if cfg.model.path == "embedded" else cfg.model.path)
-        found["evaluate"] = (f"python -m rlhf.evaluate --model {model} --baseline {base} "
+    task = get_task(cfg.task.name)
+    if task.has_held_out:
+        found["evaluate"] = (f"python -m rlhf.evaluate --model {model} --baseline {task.base_model(cfg, out_dir)} "
                              f"--config {os.path.join(out_dir, 'config.yaml')}")
     return found
 

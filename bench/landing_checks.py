@@ -3,13 +3,13 @@
     python bench/landing_checks.py clamp-edge outputs/landing_bandit/grpo/loss-k3/seed42/theory.json
     python bench/landing_checks.py plain-path outputs/landing_tree_grpo/grpo/loss-k2/seed42/theory.json
 
-clamp-edge (the bandit, GRPO with k3 in the loss): start the run's own solver (rlhf.landing.fixed_point_from)
+clamp-edge (the bandit, GRPO with k3 in the loss): start the run's own solver (lab.landing.fixed_point_from)
 at the argmax corner of the run's end, every other arm at log-ratio d to pi_ref, and print for each d the
 total variation from where the solver goes to the run's fixed point: 0 inside the interior point's basin,
 about 0.15 where verl's clamp on k3 makes the argmax corner stable.
 
 plain-path (the tree): plain gradient ascent on tabular logits from pi_ref under the given advantage model
-(rlhf.theory.fixed_points.tree_plain_flow), and the total variation from its end to the run's final policy.
+(lab.theory.fixed_points.tree_plain_flow), and the total variation from its end to the run's final policy.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from rlhf.landing import fixed_point_from  # noqa: E402
-from rlhf.theory.fixed_points import tree_plain_flow  # noqa: E402
+from lab.landing import fixed_point_from  # noqa: E402
+from lab.theory.fixed_points import tree_plain_flow  # noqa: E402
 
 
 def tv(p: torch.Tensor, q: torch.Tensor) -> float:

@@ -1,7 +1,7 @@
 """rlhf: a compact PPO-on-GSM8K example built around a KL-estimator module.
 
 Modules: `kl` (estimators, the `+` suffix, off-policy weighting, exact KL, coefficient controllers), `theory`
-(the exact analysis by enumeration: expectations, fixed points, the frameworks' defaults; `python -m rlhf.theory`
+(the exact analysis by enumeration: expectations, fixed points, the frameworks' defaults; `python -m lab.theory`
 prints its report), `ppo` (the decisions of one PPO step), `processes` (reductions over processes and each
 process's share), `core_algos` (masked ops, GAE, GRPO/RLOO, PPO losses, loss aggregation, log-probs), `registry` (the
 named alternatives), `evaluation` (pass@k and maj@k),

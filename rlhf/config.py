@@ -16,23 +16,22 @@ want every error to be one paragraph naming the key, the bad value and the valid
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from rlhf.config_checks import DTYPE_NAMES, validate, warnings_for  # noqa: F401  (re-exported for the rest)
+from rlhf.config_checks import validate, warnings_for  # noqa: F401  (re-exported for the rest)
 from rlhf.errors import ConfigError  # noqa: F401  (raised here, and imported from here by the rest)
+from rlhf.schema import _build, _check_key, _coerce
 
 
 
 @dataclass
 class ModelConfig:
-    path: str = "embedded"  # "embedded" (tiny local model, built and warm-started here), "bandit" or "tree" (the synthetic tasks, rlhf/synthetic.py), a hub name or a local path
+    path: str = "embedded"  # "embedded" (the tiny local model, built and warm-started here), a hub name or a local path; a task that builds its own model (lab.synthetic's) does not read it
     critic_path: str | None = None  # backbone for the critic; None = same as `path`
     dtype: str = "float32"  # float32 | bfloat16 | float16: actor/critic weights (keep float32 and use mixed precision to train in bf16)
     ref_dtype: str | None = None  # the frozen reference's weights; None = same as dtype
@@ -148,41 +147,9 @@ class TrainerConfig:
 
 
 @dataclass
-class EmbeddedConfig:
-    """The embedded default (`model.path: embedded`): generated problems, tokenizer, tiny model, warm start."""
-
-    num_train: int = 2048  # training problems written to train.jsonl
-    num_val: int = 256  # held-out problems written to val.jsonl (disjoint questions from train)
-    seed: int = 0  # seeds the problem generator, the model init and the warm start
-    max_difficulty: int = 3  # most arithmetic steps per problem (each problem has 1..max_difficulty)
-    max_value: int = 20  # every operand and intermediate result lies in [1, max_value]
-    vocab_size: int = 512  # BPE vocabulary size (upper bound; a small corpus may yield fewer tokens)
-    hidden_size: int = 128  # model width
-    intermediate_size: int = 384  # MLP width
-    num_layers: int = 4  # transformer blocks
-    num_heads: int = 4  # attention heads
-    num_kv_heads: int = 2  # key/value heads (grouped-query attention, as in Qwen2)
-    max_position_embeddings: int = 512  # longest sequence (prompt + response) the model is built for
-    sft_steps: int = 400  # supervised warm-start optimizer steps (0 = leave the model random)
-    sft_batch_size: int = 32  # problems per warm-start step
-    sft_lr: float = 3e-3  # peak AdamW learning rate of the warm start (linear warmup, cosine decay)
-    sft_warmup_steps: int = 20  # linear warmup steps of the warm start
-    sft_early_answer_frac: float = 0.8  # share of multi-step demos whose "#### N" gives the first step's result
-
-
-@dataclass
-class SyntheticConfig:
-    """The synthetic tasks (`model.path: bandit` or `tree`, rlhf/synthetic.py): a tiny model whose policy can be enumerated."""
-
-    num_arms: int = 6  # bandit: arm tokens a0 ... (the vocabulary is these and the prompt token <s>, itself an arm); the tree has docs/kl.md's example's three
-    seed: int = 2  # bandit: seeds the reward table and the reference's target (2: its forward- and reverse-KL optima at beta = 0.3 lie 0.246 apart in TV)
-    binary: bool = False  # bandit: rewards 0/1 (1 on the best quarter of the arms) instead of uniform on [0, 1]
-    ref_spread: float = 1.5  # bandit: std of the Gaussian logits of the reference's target (0 = uniform)
-    tree_prompt_mass: float = 0.001  # tree: the reference's probability of <s> (an arm with reward 0) in every state
-    hidden_size: int = 32  # model width (one transformer block)
-    num_prompts: int = 256  # rows of the training set (all the one prompt)
-    fit_steps: int = 300  # Adam steps fitting the reference to its target
-    fit_lr: float = 0.03  # their learning rate
+class TaskConfig:
+    name: str = "embedded"  # embedded (GSM8K-shaped problems and a tiny model built here, rlhf/embedded.py) | gsm8k (GSM8K from data.train_files / data.val_files) | <module>:<attribute>, a rlhf.tasks.Task of your own (the lab's: lab.synthetic:bandit, lab.synthetic:tree)
+    options: dict = field(default_factory=dict)  # the task's own options, checked against its options dataclass (the embedded default's: docs/config.md#task-options)
 
 
 @dataclass
@@ -195,8 +162,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -237,6 +203,12 @@ def set_value(cfg: Config, dotted_key: str, value: Any, text: str | None = None)
     a text field takes it as is where YAML would read a boolean (`trainer.mixed_precision=no`)."""
     *parents, name = dotted_key.split(".")
     node, prefix = cfg, ""
+    if parents[:2] == ["task", "options"]:  # the task's own keys: checked against its options by validate
+        options = cfg.task.options
+        for part in parents[2:]:
+            options = options.setdefault(part, {})
+        options[name] = value if not (text is not None and isinstance(value, bool)) else value
+        return
     for part in parents:
         _check_key(node, part, prefix)
         node, prefix = getattr(node, part), f"{prefix}{part}."
@@ -263,63 +235,6 @@ def _shipped_configs() -> str:
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     names = sorted(f for f in os.listdir(here) if f.endswith(".yaml")) if os.path.isdir(here) else []
     return ", ".join(f"configs/{n}" for n in names) or "none"
-
-
-def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
-    obj = cls()
-    hints = typing.get_type_hints(cls)
-    for key, value in raw.items():
-        _check_key(obj, key, prefix)
-        if dataclasses.is_dataclass(hints[key]):
-            if not isinstance(value, dict):
-                raise ConfigError(f"config key {prefix + key!r} is a section; got {value!r}.")
-            setattr(obj, key, _build(hints[key], value, f"{prefix}{key}."))
-        else:
-            setattr(obj, key, _coerce(value, hints[key], prefix + key))
-    return obj
-
-
-def _check_key(node: Any, key: str, prefix: str) -> None:
-    names = [f.name for f in dataclasses.fields(node)]
-    if key not in names:
-        close = difflib.get_close_matches(key, names, n=1)
-        hint = f" Did you mean {prefix + close[0]!r}?" if close else ""
-        section = f"section {prefix[:-1]!r}" if prefix else "the top level"
-        raise ConfigError(f"unknown config key {prefix + key!r}.{hint} Valid keys in {section}: {', '.join(names)}.")
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check `value` against a field's type; ints are accepted where floats are expected."""
-    if dataclasses.is_dataclass(hint):
-        raise ConfigError(f"config key {key!r} is a section; set its fields instead (e.g. {key}.<field>=...).")
-    args = typing.get_args(hint)
-    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"config key {key!r} cannot be empty (null).")
-    base = next(a for a in args if a is not type(None)) if optional else hint
-    if base in (int, float) and isinstance(value, str):
-        value = _parse_number(value, base)  # YAML 1.1 reads "1e-6" as a string
-    ok = (
-        (base is bool and isinstance(value, bool))
-        or (base is int and isinstance(value, int) and not isinstance(value, bool))
-        or (base is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-        or (base is str and isinstance(value, str))
-    )
-    if not ok and base is str and isinstance(value, bool):
-        raise ConfigError(f"config key {key!r} expects text, got the boolean {value!r}: YAML reads no/yes/on/off "
-                          f"as booleans, so quote the word (e.g. mixed_precision: 'no').")
-    if not ok:
-        raise ConfigError(f"config key {key!r} expects {base.__name__}, got {value!r} ({type(value).__name__}).")
-    return float(value) if base is float else value
-
-
-def _parse_number(text: str, kind: type) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        return text  # left as a string: the type check below names it
 
 
 def config_table() -> str:

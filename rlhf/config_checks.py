@@ -3,7 +3,7 @@ ConfigError for a value that cannot work; `warnings_for` lists legal settings th
 mistake, printed once at start.
 
 Both take an rlhf.config.Config. Not imported: rlhf.config's load_config calls validate, and the import would
-tie the two into a circle; rlhf.config re-exports validate, warnings_for and DTYPE_NAMES.
+tie the two into a circle; rlhf.config re-exports validate and warnings_for.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import os
 
 from rlhf.errors import ConfigError
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")  # model.dtype, model.ref_dtype; the torch dtypes of the same names
 LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")  # actor/critic.lr_scheduler_type (rlhf.setup.lr_factor)
 
 
@@ -38,7 +37,9 @@ def _divides(small_key: str, small: int, big_key: str, big: int) -> None:
 def validate(cfg, num_processes: int = 1) -> None:
     """Check values (not just types). Raises ConfigError before anything expensive happens."""
     from rlhf import core_algos, kl  # local import: keeps `rlhf.config` importable on its own
-    from rlhf.synthetic import TASKS as SYNTHETIC_TASKS, check_config as check_synthetic
+    from rlhf.data import looks_like_path
+    from rlhf.models import DTYPE_NAMES
+    from rlhf.tasks import get_task, task_options
 
     def checked(key: str, fn, *args, **kwargs):
         try:
@@ -110,29 +111,19 @@ def validate(cfg, num_processes: int = 1) -> None:
     # runs unchanged on more processes.
     _divides("actor.ppo_micro_batch_size", min(ac.ppo_micro_batch_size, per_process_mini),
              "actor.ppo_mini_batch_size per process x rollout.n", per_process_mini)
+    task = checked("task.name", get_task, cfg.task.name)
+    task_options(cfg)  # the task's own keys and their types
+    checked(f"task.name={cfg.task.name}", task.check, cfg)
     from rlhf.rewards import load_reward
 
     load_reward(cfg)  # imports reward.function and checks that it takes the trainer's keyword call
     if t.resume_from not in (None, "auto") and not os.path.isdir(t.resume_from):
         raise ConfigError(f"trainer.resume_from={t.resume_from!r} is not a directory (use a checkpoint dir or 'auto').")
-    if m.path in SYNTHETIC_TASKS or d.train_files in SYNTHETIC_TASKS:
-        checked("model.path", check_synthetic, cfg)
-    for key, source in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
-        if source not in ("embedded", *SYNTHETIC_TASKS) and _looks_like_path(source):
-            from rlhf.data import check_data_file
-
-            checked(key, check_data_file, source)
     for key, path in (("model.path", m.path), ("model.critic_path", m.critic_path)):
-        if path not in (None, "embedded") and _looks_like_path(path) and not os.path.isdir(path):
+        if path not in (None, "embedded") and looks_like_path(path) and not os.path.isdir(path):
             raise ConfigError(f"config key {key!r}: local model path {path!r} does not exist "
                               "(give a directory written by save_pretrained, a hub name like "
                               "'Qwen/Qwen2.5-0.5B-Instruct', or 'embedded').")
-
-
-def _looks_like_path(source: str) -> bool:
-    """A hub id is `name` or `org/name`; anything else (./x, /x, a/b/c, x.jsonl) is a local path."""
-    return (source.startswith((".", "/", "~")) or source.count("/") > 1
-            or source.endswith((".jsonl", ".json", ".parquet")) or os.path.exists(source))
 
 
 def warnings_for(cfg) -> list[str]:

@@ -38,6 +38,13 @@ def build_prompt(tokenizer, question: str) -> str:
     return content
 
 
+def looks_like_path(source: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else (./x, /x, a/b/c, x.jsonl) is a local path."""
+    return (source.startswith((".", "/", "~")) or source.count("/") > 1
+            or source.endswith((".jsonl", ".json", ".parquet")) or os.path.exists(source))
+
+
+
 def _is_local(source: str) -> bool:
     return source.endswith(SUPPORTED_EXTENSIONS) or os.path.exists(source)
 
@@ -172,3 +179,13 @@ def write_jsonl(rows: Iterable[dict], path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def load_held_out(cfg, tokenizer, val_source: str):
+    """The held-out problems of `val_source` (a hub dataset name or a local file; "embedded" resolved already),
+    the first data.max_val_samples of them, as prompt token ids (tokenize_prompts): returns (val_set, how many
+    prompts were dropped as longer than data.max_prompt_length)."""
+    val_set = load_gsm8k(val_source, cfg.data.val_split, cfg.data.subset)
+    if cfg.data.max_val_samples:
+        val_set = val_set.select(range(min(cfg.data.max_val_samples, len(val_set))))
+    return tokenize_prompts(val_set, tokenizer, cfg.data.max_prompt_length)

@@ -47,13 +47,43 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlhf.config import EmbeddedConfig
 
 # transformers, tokenizers, `rlhf.data` (datasets) and `rlhf.models` are imported inside the functions
 # that need them, so that importing this module stays fast.
 
 # Bump when the generated data, tokenizer or warm start change, so stale caches are not reused.
 _CACHE_VERSION = 3
+
+
+@dataclass
+class EmbeddedConfig:
+    """The embedded default's options (`task.options` of task `embedded`): problems, tokenizer, tiny model, warm start."""
+
+    num_train: int = 2048  # training problems written to train.jsonl
+    num_val: int = 256  # held-out problems written to val.jsonl (disjoint questions from train)
+    seed: int = 0  # seeds the problem generator, the model init and the warm start
+    max_difficulty: int = 3  # most arithmetic steps per problem (each problem has 1..max_difficulty)
+    max_value: int = 20  # every operand and intermediate result lies in [1, max_value]
+    vocab_size: int = 512  # BPE vocabulary size (upper bound; a small corpus may yield fewer tokens)
+    hidden_size: int = 128  # model width
+    intermediate_size: int = 384  # MLP width
+    num_layers: int = 4  # transformer blocks
+    num_heads: int = 4  # attention heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention, as in Qwen2)
+    max_position_embeddings: int = 512  # longest sequence (prompt + response) the model is built for
+    sft_steps: int = 400  # supervised warm-start optimizer steps (0 = leave the model random)
+    sft_batch_size: int = 32  # problems per warm-start step
+    sft_lr: float = 3e-3  # peak AdamW learning rate of the warm start (linear warmup, cosine decay)
+    sft_warmup_steps: int = 20  # linear warmup steps of the warm start
+    sft_early_answer_frac: float = 0.8  # share of multi-step demos whose "#### N" gives the first step's result
+
+
+def embedded_options(cfg) -> EmbeddedConfig:
+    """The embedded default's options in config `cfg`: its task.options for task `embedded`, the defaults
+    for another task that names the embedded model or files."""
+    from rlhf.schema import build
+
+    return build(EmbeddedConfig, cfg.task.options, "task.options.") if cfg.task.name == "embedded" else EmbeddedConfig()
 
 
 @dataclass
@@ -394,3 +424,42 @@ def prepare_embedded_default(cache_dir: str, cfg: EmbeddedConfig, log=print) -> 
     log(f"[embedded] held-out loss {metrics['sft_val_loss_before']:.3f} -> {metrics['sft_val_loss_after']:.3f}; "
         f"built in {time.perf_counter() - start:.0f}s at {root}")
     return _artifacts(root)
+
+
+# ----------------------------------------------------------------------------- the planted habit, measured
+
+CATEGORIES = ("correct", "first_step", "other")
+
+
+def classify(response: str, answer: str, method: str = "strict") -> str:
+    """"correct", "first_step" (the final answer is the first step's result, and that is wrong) or "other"."""
+    from rlhf.rewards.gsm8k import compute_score, extract_ground_truth
+
+    if compute_score(response, extract_ground_truth(answer), method=method) == 1.0:
+        return "correct"
+    if compute_score(response, first_step_result(answer), method=method) == 1.0:
+        return "first_step"
+    return "other"
+
+
+def habit_metric(answers: list[str], method: str = "strict"):
+    """The embedded default's `habit_rate` (rlhf.evaluation.ResponseMetric): 1 for a response to held-out row
+    i whose final answer is the first step's result of `answers[i]` and wrong ("first_step"), else 0."""
+
+    def habit_rate(completions, indices):
+        return [float(classify(text, answers[i], method) == "first_step") for text, i in zip(completions, indices)]
+
+    return habit_rate
+
+
+def held_out_problems(cfg, log=lambda *_: None):
+    """(the embedded default's artifacts, its held-out problems with their answers) for config `cfg` (an
+    rlhf.config.Config): the first data.max_val_samples of them, as the trainer evaluates; the cache is built
+    if missing."""
+    from rlhf.data import load_gsm8k
+
+    artifacts = prepare_embedded_default(embedded_cache_dir(cfg), embedded_options(cfg), log=log)
+    problems = load_gsm8k(artifacts.val_file, cfg.data.val_split, cfg.data.subset)
+    if cfg.data.max_val_samples:
+        problems = problems.select(range(min(cfg.data.max_val_samples, len(problems))))
+    return artifacts, problems

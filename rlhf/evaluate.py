@@ -6,7 +6,7 @@
 
 `--model` (and `--baseline`) is any causal LM that transformers loads: a save_pretrained directory with its
 tokenizer (a training run's <output_dir>/model, the embedded default's warm start, a converted model from
-rlhf.real_parts) or a hub name. The config gives everything else, as in training: the held-out data
+lab.real_parts) or a hub name. The config gives everything else, as in training: the held-out data
 (data.val_files: the embedded default, a local GSM8K file, the hub), the prompts and chat template, the reward
 (reward.function and reward.correct_threshold), the response length and sampling settings; `--samples k` is
 trainer.val_samples (pass@k and maj@k from k responses per problem). The evaluation is
@@ -37,7 +37,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MODEL_CHOICES = ("a directory written by save_pretrained with its tokenizer (a training run's <output_dir>/model, the "
                  "embedded default's warm start <trainer.cache_dir>/embedded-<hash>/model, a model converted by "
-                 "python -m rlhf.real_parts), or a hub name such as Qwen/Qwen2.5-0.5B-Instruct")
+                 "python -m lab.real_parts), or a hub name such as Qwen/Qwen2.5-0.5B-Instruct")
 
 
 @dataclass
@@ -145,17 +145,17 @@ def check_tokenizer(tokenizer, config, generation_config, where: str) -> None:
 
 
 def held_out_source(cfg: Config, config_path: str | None) -> str:
-    """data.val_files, refused (ConfigError) when the config has no held-out problems: the synthetic tasks."""
-    from rlhf.synthetic import TASKS
+    """data.val_files, refused (ConfigError) when the config's task has no held-out problems (the lab's
+    synthetic tasks)."""
+    from rlhf.tasks import get_task
 
     where = f"config {config_path!r}" if config_path else "the config"
     source = cfg.data.val_files
-    if not source or source in TASKS or cfg.model.path in TASKS:
-        task = source if source in TASKS else cfg.model.path
-        raise ConfigError(f"{where} has no held-out problems to evaluate on (data.val_files={source!r}"
-                          f"{f', the synthetic task {task!r}' if task in TASKS else ''}); give a config whose "
-                          "data.val_files is 'embedded' (configs/tiny.yaml), a local GSM8K .jsonl/.json/.parquet "
-                          "file, or a hub dataset such as openai/gsm8k (configs/gsm8k_qwen2.5_0.5b.yaml).")
+    if not source or not get_task(cfg.task.name).has_held_out:
+        raise ConfigError(f"{where} has no held-out problems to evaluate on (task.name={cfg.task.name!r}, "
+                          f"data.val_files={source!r}); give a config whose data.val_files is 'embedded' "
+                          "(configs/tiny.yaml), a local GSM8K .jsonl/.json/.parquet file, or a hub dataset such as "
+                          "openai/gsm8k (configs/gsm8k_qwen2.5_0.5b.yaml).")
     return source
 
 
@@ -180,15 +180,16 @@ def prepare_eval_run(cfg: Config, accelerator, tokenizer, val_source: str, flag:
     """Everything `evaluate` needs for one model but the model itself: the held-out problems of `val_source`
     ("embedded" resolved already) in the prompts of the model's `tokenizer`, the config's reward and the task's
     metrics. ConfigError when a prompt is longer than data.max_prompt_length (a paired comparison needs them all)."""
+    from rlhf.data import load_held_out
     from rlhf.rewards import load_reward
-    from rlhf.setup import load_held_out, task_metrics
+    from rlhf.tasks import get_task
 
     val_set, dropped = load_held_out(cfg, tokenizer, val_source)
     if dropped:
         raise ConfigError(f"{flag}: {dropped} of {len(val_set) + dropped} held-out prompts are longer than "
                           f"data.max_prompt_length={cfg.data.max_prompt_length} in this model's tokens; raise "
                           "data.max_prompt_length so that every problem is evaluated.")
-    return EvalRun(tokenizer, val_set, load_reward(cfg), task_metrics(cfg, accelerator, len(val_set)))
+    return EvalRun(tokenizer, val_set, load_reward(cfg), get_task(cfg.task.name).val_metrics(cfg, val_set))
 
 
 def load_actor(cfg: Config, accelerator, run: EvalRun, model: str) -> None:
@@ -203,9 +204,9 @@ def load_actor(cfg: Config, accelerator, run: EvalRun, model: str) -> None:
 
 
 def paired_difference(values: list[float], reference: list[float]) -> dict[str, float | None]:
-    """The mean over problems of values[i] - reference[i], and its 95% Student t interval (rlhf.compare.stats);
+    """The mean over problems of values[i] - reference[i], and its 95% Student t interval (rlhf.stats);
     low/high None with fewer than 2 problems."""
-    from rlhf.compare.stats import Estimate
+    from rlhf.stats import Estimate
 
     estimate = Estimate(tuple(v - r for v, r in zip(values, reference, strict=True)))
     mean, half = estimate.mean, estimate.half_width
@@ -220,8 +221,8 @@ def evaluate_models(cfg: Config, models: dict[str, str], config_path: str | None
     loads; the models load one at a time."""
     from accelerate import Accelerator
 
+    from rlhf.embedded import embedded_cache_dir, embedded_options
     from rlhf.evaluation import evaluate_per_problem
-    from rlhf.embedded import embedded_cache_dir
 
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ConfigError("python -m rlhf.evaluate runs in one process; start it with python, not with several "
@@ -232,7 +233,7 @@ def evaluate_models(cfg: Config, models: dict[str, str], config_path: str | None
     if source == "embedded":  # built on the first use (it trains the warm start), then read from the cache
         from rlhf.embedded import prepare_embedded_default
 
-        source = prepare_embedded_default(embedded_cache_dir(cfg), cfg.embedded, log=accelerator.print).val_file
+        source = prepare_embedded_default(embedded_cache_dir(cfg), embedded_options(cfg), log=accelerator.print).val_file
     runs = {role: prepare_eval_run(cfg, accelerator, tokenizers[role], source, f"--{role} {models[role]!r}")
             for role in models}
     metrics, per_problem = {}, {}

@@ -10,7 +10,7 @@
 `evaluate` draws `trainer.val_samples` responses per problem at the sampling temperature and logs
 `val/pass@k` for k = 1, 2, 4, ... up to n (`val/pass@1` is the sampled accuracy) and `val/maj@n`, next to
 greedy `val/accuracy`. A task may add metrics of its own (`Setup.val_metrics`, e.g. the embedded default's
-planted habit, rlhf/habit.py): each scores every response, and is logged as `val/<name>` over the sampled
+planted habit, lab/habit.py): each scores every response, and is logged as `val/<name>` over the sampled
 responses and `val/greedy_<name>` over the greedy ones. Whether a
 response is right and what its final answer is come from the run's reward (rlhf.rewards.RewardFn:
 `is_correct`, `answers`). pass@k minus pass@1 is the headroom RL can turn into pass@1: answers the policy

@@ -238,28 +238,23 @@ def run_dir(checkpoint: str) -> str:
 
 def base_model(cfg: Config, output_dir: str) -> tuple[str, object]:
     """(the directory or hub name the run's actor was loaded from, its tokenizer as the run loaded it): the
-    config's model.path, or for the embedded default and the synthetic tasks their cache entry under
-    trainer.cache_dir or `output_dir`. Relative paths in the config are relative to where train.py ran."""
-    from rlhf import synthetic
-    from rlhf.embedded import cache_entry
+    config's model.path, or for a task that builds its model (the embedded default, the lab's synthetic tasks)
+    its cache entry under trainer.cache_dir or `output_dir` (rlhf.tasks.Task.base_model). Relative paths in the
+    config are relative to where train.py ran."""
+    from rlhf.tasks import get_task
 
-    cache_dir = cfg.trainer.cache_dir
-    if cfg.model.path in synthetic.TASKS:
-        root = synthetic.cache_entry(cache_dir or os.path.join(output_dir, "synthetic"), cfg.model.path, cfg.synthetic)
-    elif cfg.model.path == "embedded":
-        root = cache_entry(cache_dir or os.path.join(output_dir, "embedded"), cfg.embedded)
-    else:
-        root = None
-    path = os.path.join(root, "model") if root else cfg.model.path
-    if root and not os.path.isdir(path):
-        raise ExportError(f"the run's base model ({cfg.model.path}, for its architecture and tokenizer) is not at "
-                          f"{path}: run this command from the directory train.py ran in (trainer.cache_dir="
-                          f"{cache_dir} is relative to it), or rebuild the cache with that config's train.py.")
+    task = get_task(cfg.task.name)
+    path = task.base_model(cfg, output_dir)
+    if path != cfg.model.path and not os.path.isdir(path):
+        raise ExportError(f"the run's base model (task {cfg.task.name}, for its architecture and tokenizer) is not "
+                          f"at {path}: run this command from the directory train.py ran in (trainer.cache_dir="
+                          f"{cfg.trainer.cache_dir} is relative to it), or rebuild the cache with that config's "
+                          "train.py.")
     try:
-        return path, (synthetic.load_tokenizer(path) if cfg.model.path in synthetic.TASKS else load_tokenizer(path))
+        return path, task.load_tokenizer(path)
     except OSError as e:
-        raise ExportError(f"the run's base model model.path={cfg.model.path} (for its architecture and tokenizer) "
-                          f"cannot be loaded: {e}") from None
+        raise ExportError(f"the run's base model {path} (for its architecture and tokenizer) cannot be loaded: "
+                          f"{e}") from None
 
 
 def export_checkpoint(checkpoint: str, out: str, config_path: str | None = None, critic: bool | None = None,

@@ -21,7 +21,7 @@ PLACEMENTS = ("reward", "loss", "loss-corrected")
 
 def kl_tags(cfg: Config) -> list[str]:
     """Where the KL is and which estimator, e.g. ["reward:k1", "loss:k3+"], or ["no-kl"]: the run's wandb
-    tags, and joined by " + " its label in rlhf.compare and the sweep. A KL loss with the off-policy
+    tags, and joined by " + " its label in lab.compare and the sweep. A KL loss with the off-policy
     correction is `loss-corrected:<estimator>`."""
     tags = []
     if cfg.algorithm.use_kl_in_reward:

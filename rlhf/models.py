@@ -17,8 +17,9 @@ import warnings
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-from rlhf.config import DTYPE_NAMES
 from rlhf.tracking import log_filter
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # model.dtype, model.ref_dtype; the torch dtypes of the same names
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

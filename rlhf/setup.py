@@ -9,7 +9,6 @@ controller, reward.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -17,13 +16,12 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, set_seed
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from rlhf import core_algos, kl, synthetic
+from rlhf import core_algos, kl
 from rlhf.config import Config
-from rlhf.data import load_gsm8k, tokenize_prompts
-from rlhf.embedded import embedded_cache_dir
-from rlhf.models import load_causal_lm, load_critic, load_tokenizer
+from rlhf.models import load_causal_lm, load_critic
 from rlhf.rewards import RewardFn, load_reward
 from rlhf.sampler import PromptSampler
+from rlhf.tasks import get_task
 
 
 @dataclass
@@ -39,34 +37,22 @@ class Setup:
     kl_ctrl: kl.FixedKLController | kl.AdaptiveKLController
     reward: RewardFn  # reward.function, which scores the responses (rlhf/rewards)
     lr_schedulers: tuple  # (actor's, critic's) LambdaLR, stepped once per PPO step; the critic's None without a critic
-    val_metrics: dict = field(default_factory=dict)  # the task's own metrics of held-out responses (rlhf.evaluation)
+    val_metrics: dict = field(default_factory=dict)  # the task's own metrics of held-out responses (rlhf.tasks)
 
 
 def setup(cfg: Config, accelerator: Accelerator) -> Setup:
-    """Data, models (loaded through the hub code path), optimizers, sampler and KL controller."""
-    tokenizer, train_set, val_set, actor, critic, ref = prepare_data_and_models(cfg, accelerator)
-    val_metrics = task_metrics(cfg, accelerator, len(val_set))
-    accelerator.print(f"train prompts: {len(train_set)}, held-out: {len(val_set)}, "
+    """The task's data and model path (rlhf.tasks), the models (loaded through the hub code path), optimizers,
+    sampler, KL controller and reward."""
+    task = get_task(cfg.task.name)
+    data = task.load(cfg, accelerator)
+    actor, critic, ref = load_models(cfg, data.model_path)
+    accelerator.print(f"train prompts: {len(data.train_set)}, held-out: {len(data.val_set)}, "
                       f"actor parameters: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M, "
                       f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value}), "
                       f"device: {accelerator.device}")
-    run = build_setup(cfg, accelerator, tokenizer, train_set, val_set, actor, critic, ref)
-    run.val_metrics = val_metrics
+    run = build_setup(cfg, accelerator, data.tokenizer, data.train_set, data.val_set, actor, critic, ref)
+    run.val_metrics = task.val_metrics(cfg, data.val_set)
     return run
-
-
-def task_metrics(cfg: Config, accelerator: Accelerator, num_val: int) -> dict:
-    """The held-out data's own metrics: for the embedded default's problems, `habit_rate` (rlhf.habit); none for
-    other data (GSM8K from the hub or local files has no planted habit)."""
-    if cfg.data.val_files != "embedded":
-        return {}
-    from rlhf.habit import habit_metric, held_out_problems
-
-    answers = held_out_problems(cfg)[1]["answer"]  # the cache is built by now
-    if len(answers) != num_val:  # prompts filtered by length: the rows would not line up with their answers
-        raise ValueError(f"{len(answers) - num_val} held-out prompts are longer than data.max_prompt_length="
-                         f"{cfg.data.max_prompt_length}; the habit metric needs every embedded problem")
-    return {"habit_rate": habit_metric(answers, cfg.data.reward_method)}
 
 
 def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val_set, actor, critic, ref) -> Setup:
@@ -110,49 +96,6 @@ def shard_on_cpu(accelerator: Accelerator) -> None:
         plugin.set_mixed_precision(accelerator.mixed_precision)
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-
-
-def prepare_data_and_models(cfg: Config, accelerator: Accelerator):
-    """Resolve "embedded" into local files, then load everything through the hub code path; a synthetic task
-    (`model.path: bandit` or `tree`) builds its own rows."""
-    model_path, train_source, val_source = cfg.model.path, cfg.data.train_files, cfg.data.val_files
-    if model_path in synthetic.TASKS:  # the bandit and the tree: their own tokenizer and prompt rows
-        cache_dir = cfg.trainer.cache_dir or os.path.join(cfg.trainer.output_dir, "synthetic")
-        with accelerator.main_process_first():
-            model_dir = synthetic.prepare_synthetic(cache_dir, model_path, cfg.synthetic, log=accelerator.print)
-        tokenizer = synthetic.load_tokenizer(model_dir)
-        return (tokenizer, *synthetic.build_datasets(model_path, cfg.synthetic, tokenizer),
-                *load_models(cfg, model_dir))
-    if "embedded" in (model_path, train_source, val_source):
-        from rlhf.embedded import prepare_embedded_default
-
-        with accelerator.main_process_first():  # rank 0 builds the cache; the others then read it
-            artifacts = prepare_embedded_default(embedded_cache_dir(cfg), cfg.embedded, log=accelerator.print)
-        model_path = artifacts.model_dir if model_path == "embedded" else model_path
-        train_source = artifacts.train_file if train_source == "embedded" else train_source
-        val_source = artifacts.val_file if val_source == "embedded" else val_source
-
-    tokenizer = load_tokenizer(model_path)
-    train_set = load_gsm8k(train_source, cfg.data.train_split, cfg.data.subset)
-    train_set, dropped_train = tokenize_prompts(train_set, tokenizer, cfg.data.max_prompt_length)
-    val_set, dropped_val = load_held_out(cfg, tokenizer, val_source)
-    if dropped_train or dropped_val:
-        accelerator.print(f"filtered prompts longer than data.max_prompt_length={cfg.data.max_prompt_length}: "
-                          f"{dropped_train} train, {dropped_val} held-out")
-
-    return (tokenizer, train_set, val_set, *load_models(cfg, model_path))
-
-
-
-
-def load_held_out(cfg: Config, tokenizer, val_source: str):
-    """The held-out problems of `val_source` (a hub dataset name or a local file; "embedded" resolved already),
-    the first data.max_val_samples of them, as prompt token ids (rlhf.data.tokenize_prompts): returns
-    (val_set, how many prompts were dropped as longer than data.max_prompt_length)."""
-    val_set = load_gsm8k(val_source, cfg.data.val_split, cfg.data.subset)
-    if cfg.data.max_val_samples:
-        val_set = val_set.select(range(min(cfg.data.max_val_samples, len(val_set))))
-    return tokenize_prompts(val_set, tokenizer, cfg.data.max_prompt_length)
 
 
 def load_models(cfg: Config, model_path: str):

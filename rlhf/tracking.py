@@ -144,7 +144,7 @@ class MetricsLogger:
 # ----------------------------------------------------------------------------- what a run prints
 
 # An evaluation's line and the summary's table: these keys, in this order, where logged (val/pass@1 is the
-# sampled accuracy; the habit is the embedded default's, rlhf/habit.py).
+# sampled accuracy; the habit is the embedded default's, lab/habit.py).
 SHOWN = ("val/accuracy", "val/pass@1", "val/maj@", "val/greedy_habit_rate", "val/habit_rate", "theory/tv_to_fixed_point")
 
 

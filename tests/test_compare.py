@@ -28,7 +28,7 @@ DEFAULT_REGIME = compare.REGIMES[compare.GRIDS["ppo"].regime]
 
 
 def arm_config(arm: compare.Arm, *extra: str) -> Config:
-    """The config the default grid (ppo, its default regime) gives `arm`, as `python -m rlhf.compare` makes it."""
+    """The config the default grid (ppo, its default regime) gives `arm`, as `python -m lab.compare` makes it."""
     r = DEFAULT_REGIME
     shared = compare.shared_overrides(r.steps, r.kl_coef, None, "g", r.overrides)
     return load_config(TINY, compare.run_overrides(arm, "outputs/kl_estimators", "outputs/cache", shared, list(extra)))
@@ -111,7 +111,7 @@ def test_help_lists_the_grid_steps_and_output_options():
 # ----------------------------------------------------------------------------- the W&B sweep files
 
 
-# Each sweep file and what it must equal: rlhf.compare's grid, regime, seeds (`--seeds`) and output
+# Each sweep file and what it must equal: lab.compare's grid, regime, seeds (`--seeds`) and output
 # directory. Another regime's file goes here too; every sweep test runs on each.
 SWEEPS = {"kl_estimators.yaml": dict(grid="ppo", regime="separating", seeds=3, output_dir="outputs/kl_estimators"),
           "kl_binding.yaml": dict(grid="ppo", regime="binding", seeds=3, output_dir="outputs/kl_binding")}
@@ -164,7 +164,7 @@ def wandb_sweep_schema() -> dict:
 
 
 def runner_config(spec: dict, arm: compare.Arm, seed: int | None) -> Config:
-    """The config `python -m rlhf.compare --grid <grid> --regime <regime> --seeds <n>` gives one run."""
+    """The config `python -m lab.compare --grid <grid> --regime <regime> --seeds <n>` gives one run."""
     regime = compare.REGIMES[spec["regime"]]
     config = compare.GRIDS[spec["grid"]].config
     shared = compare.shared_overrides(regime.steps, regime.kl_coef, None, "g", regime.overrides)
@@ -203,7 +203,7 @@ def test_sweep_constants_match_the_runners_regime_and_seeds(name):
     regime = compare.REGIMES[spec["regime"]]
     assert params["trainer.total_steps"]["value"] == regime.steps
     assert params["algorithm.kl_ctrl.kl_coef"]["value"] == regime.kl_coef, (
-        "keep the sweep's coefficient equal to its regime's (rlhf/compare/grid.py, REGIMES)")
+        "keep the sweep's coefficient equal to its regime's (lab/compare/grid.py, REGIMES)")
     assert params["actor.kl_loss_coef"]["value"] == params["algorithm.kl_ctrl.kl_coef"]["value"]
     assert params["rollout.paired_noise"]["value"] is True
     config = compare.GRIDS[spec["grid"]].config
@@ -234,7 +234,7 @@ POSIX = pytest.mark.skipif(shutil.which("sh") is None or not os.path.exists("/us
 @POSIX
 @pytest.mark.parametrize("name", SWEEPS)
 def test_wandb_agent_runs_the_runners_grid_with_its_seeds(name, tmp_path):
-    """W&B's planner hands out exactly rlhf.compare's runs x seeds, and each one, launched as the agent
+    """W&B's planner hands out exactly lab.compare's runs x seeds, and each one, launched as the agent
     would, gives train.py the config the local runner gives it: same KL, regime, seed, run name
     (`<run>/seed<s>`) and directory (`<dir>/<run>/seed<s>/`)."""
     echo = tmp_path / "echo_argv.py"  # stands in for train.py: prints the argv it was given
@@ -268,7 +268,7 @@ def test_wandb_agent_runs_the_runners_grid_with_its_seeds(name, tmp_path):
 @POSIX
 def test_the_sweeps_runs_make_rlhf_compares_report(tmp_path):
     """The 27 runs of the sweep, launched as the agent would with the stub trainer in train.py's place,
-    land where `python -m rlhf.compare --report-only outputs/kl_estimators` reads them: 9 runs x 3 seeds."""
+    land where `python -m lab.compare --report-only outputs/kl_estimators` reads them: 9 runs x 3 seeds."""
     stub = tmp_path / "stub_train.py"
     stub.write_text(STUB_TRAIN)
     sweep = load_sweep()
@@ -338,7 +338,7 @@ STUB_TRAIN = textwrap.dedent("""
 def stub_trainer(tmp_path, monkeypatch):
     path = tmp_path / "stub_train.py"
     path.write_text(STUB_TRAIN)
-    monkeypatch.setattr("rlhf.compare.grid.TRAIN_PY", str(path))
+    monkeypatch.setattr("lab.compare.grid.TRAIN_PY", str(path))
     return path
 
 
@@ -883,8 +883,8 @@ def test_the_binding_regime_runs_rloo_at_a_coefficient_kept_by_the_clamp():
     forward-KL optimum (verl's clamp sends it to the corner at 0.1) for a typical decision of the habit."""
     import torch
 
-    from rlhf.habit import DECISION_REWARDS, habit_limits
-    from rlhf.theory.fixed_points import bandit_fixed_point
+    from lab.habit import DECISION_REWARDS, habit_limits
+    from lab.theory.fixed_points import bandit_fixed_point
 
     regime = compare.REGIMES["binding"]
     assert set(regime.runs) >= {"no-kl", "reward:k1", "loss:k3", "loss:k3+", "loss:k2", "loss:full"}
@@ -917,7 +917,7 @@ def test_habit_claims_pair_k3_with_k3_plus_by_seed(tmp_path):
         write_run(tmp_path / "loss-k3+" / f"seed{seed}", seed, habit_rows(0.20 + noise * 0.9, 0.15 + noise),
                   actor__use_kl_loss=True, actor__kl_loss_type="k3+")
     groups = compare.group_runs(compare.load_runs(str(tmp_path)))
-    from rlhf.compare.habit import habit_claims
+    from lab.compare.habit import habit_claims
 
     for sign, expected in ((-1, "resolved"), (1, "contradicted")):
         by_measure = {c.measure: c for c in habit_claims(groups, sign)}
@@ -936,7 +936,7 @@ def test_habit_claims_pair_k3_with_k3_plus_by_seed(tmp_path):
 def test_second_half_measures_how_far_a_run_still_moved(tmp_path):
     """An evaluation metric: last value minus the one at half the steps; a per-step metric: the mean of the
     last 5 steps minus that of the 5 steps up to half."""
-    from rlhf.compare.habit import second_half
+    from lab.compare.habit import second_half
 
     rows = [{"step": s, "kl/full": 0.01 * s} for s in range(1, 21)]
     for step, habit in ((10, 0.3), (20, 0.25)):

@@ -101,7 +101,7 @@ FACTS = (
          ("docs/training.md",)),
     Fact("the sweep's runs", "docs/comparison.md#as-a-wb-sweep", r"so the grid is (\d+) runs",
          (r"9 runs x seeds 42, 43, 44 = (\d+) runs", r"exactly the (\d+) runs",  # (the binding sweep has its own)
-          r"the (\d+) runs of `python -m rlhf.compare --seeds 3`"),
+          r"the (\d+) runs of `python -m lab.compare --seeds 3`"),
          ("README.md", "docs/results.md")),
     Fact("the separating grid's wall time, 3 seeds", "docs/results.md#the-separating-regime-three-seeds",
          r"\*\*(\d+\.\d) minutes\*\* for the 27 runs", (r"27 runs in (\d+(?:\.\d)?) min",)),
@@ -179,10 +179,10 @@ def test_each_fact_has_its_section_and_the_pages_about_it_link_there(fact):
 
 
 def test_the_sweeps_runs_are_the_grid_times_its_seeds():
-    """The owner's number of the sweep's runs is the code's: rlhf.compare's grid x the sweep file's seeds."""
+    """The owner's number of the sweep's runs is the code's: lab.compare's grid x the sweep file's seeds."""
     import yaml
 
-    from rlhf.compare import DEFAULT_GRID
+    from lab.compare import DEFAULT_GRID
 
     with open(os.path.join(REPO, "configs", "sweeps", "kl_estimators.yaml")) as f:
         sweep = yaml.safe_load(f)

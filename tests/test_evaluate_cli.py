@@ -16,7 +16,7 @@ from helpers import REPO, TINY_EMBEDDED, embedded_overrides, tiny_qwen2
 
 from rlhf import evaluate as cli
 from rlhf import evaluation
-from rlhf.compare.stats import t95
+from rlhf.stats import t95
 from rlhf.config import ConfigError, load_config
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.processes import eval_batches
@@ -99,7 +99,7 @@ def test_a_model_against_itself_differs_by_zero_with_the_interval_zero(artifacts
 def greedy_correct(model_dir, cfg):
     """Each held-out problem's greedy correctness, computed here without evaluate: the same batches (8 rows),
     the trainer's decoding and the config's reward."""
-    from rlhf.setup import load_held_out
+    from rlhf.data import load_held_out
 
     tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir).eval()
     val_set, _ = load_held_out(cfg, tokenizer, cfg.data.val_files)

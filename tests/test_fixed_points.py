@@ -1,4 +1,4 @@
-"""Tests for rlhf/theory/fixed_points.py and optima.py: where each estimator x placement converges (docs/kl.md,
+"""Tests for lab/theory/fixed_points.py and optima.py: where each estimator x placement converges (docs/kl.md,
 'Where each estimator converges'). Every solver result is compared, in float64, with an optimum or a stationary condition
 written out here from its definition, so that the module's own analytic helpers are checked too."""
 
@@ -11,10 +11,10 @@ from helpers import nudge
 
 from rlhf import theory
 from rlhf.kl import canonical
-from rlhf.theory import advantage_models as am
-from rlhf.theory import examples, fixed_point_tables, optima
-from rlhf.theory import fixed_points as fp
-from rlhf.theory import bandit_fixed_point, tree_fixed_point
+from lab.theory import advantage_models as am
+from lab.theory import examples, fixed_point_tables, optima
+from lab.theory import fixed_points as fp
+from lab.theory import bandit_fixed_point, tree_fixed_point
 
 
 
@@ -301,7 +301,7 @@ def test_report_tables(report):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The trainer's advantage estimators (rlhf/theory/advantage_models.py; docs/kl.md, 'Where the advantage estimator
+# The trainer's advantage estimators (lab/theory/advantage_models.py; docs/kl.md, 'Where the advantage estimator
 # moves the fixed point')
 
 GROUP_MODELS = [("rloo", 2), ("rloo", 4), ("grpo", 2), ("grpo", 4), ("grpo", 8), ("drgrpo", 3), ("drgrpo", 8)]

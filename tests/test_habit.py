@@ -1,4 +1,4 @@
-"""The habit report (`python -m rlhf.habit`): classification, and the numbers of a real tiny run."""
+"""The habit report (`python -m lab.habit`): classification, and the numbers of a real tiny run."""
 
 import os
 
@@ -10,7 +10,7 @@ import rlhf.setup
 import train
 from rlhf.config import load_config
 from rlhf.embedded import first_step_result
-from rlhf.habit import (CATEGORIES, DECISION_REWARDS, classify, decision_probabilities, habit_limits, habit_metric,
+from lab.habit import (CATEGORIES, DECISION_REWARDS, classify, decision_probabilities, habit_limits, habit_metric,
                         main, report)
 from rlhf.tracking import read_metrics
 
@@ -134,7 +134,7 @@ def test_habit_limits_are_the_solvers_fixed_points():
     """habit_limits' closed forms (forward- and reverse-KL optima) equal where the exact solver takes k3 and k3+
     in the loss under RLOO's advantages, for coefficients where k3's path stays inside verl's clamp; and the
     one-decision formula pi (beta + 1 - pi) = beta q when the right answer takes all the rest."""
-    from rlhf.theory.fixed_points import bandit_fixed_point
+    from lab.theory.fixed_points import bandit_fixed_point
 
     ref = decisions([0.82, 0.10, 0.08], [0.5, 0.4, 0.1], [0.9, 0.001, 0.099])
     rewards = torch.tensor(DECISION_REWARDS, dtype=torch.float64)
@@ -162,7 +162,7 @@ def test_the_reverse_kl_keeps_more_habit_where_the_reference_barely_knows_the_an
 def test_k3s_clamp_lets_the_habit_go_below_its_floor_at_small_coefficients():
     """verl's clamp stops k3's pull once d < -2.61: at beta = 0.1 the solver's k3 path crosses it and ends on
     the argmax corner, not the forward-KL optimum, which is why the binding regime's coefficient is 0.2."""
-    from rlhf.theory.fixed_points import bandit_fixed_point
+    from lab.theory.fixed_points import bandit_fixed_point
 
     row, rewards = decisions([0.82, 0.10, 0.08])[0], torch.tensor(DECISION_REWARDS, dtype=torch.float64)
     assert habit_limits(row[None], 0.1)["forward"].item() > 0.05

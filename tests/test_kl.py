@@ -1,4 +1,4 @@
-"""Tests for rlhf/kl and rlhf/theory/expectations.py. The facts and numbers are those of docs/kl.md.
+"""Tests for rlhf/kl and lab/theory/expectations.py. The facts and numbers are those of docs/kl.md.
 
 Expectations are exact (enumerating a 4-token vocabulary), so nothing here can flake; the one Monte-Carlo
 test uses a fixed seed and 5 standard errors with the standard deviation computed exactly.
@@ -363,9 +363,9 @@ def test_monte_carlo_means_match_exact_values():
 
 @pytest.fixture(scope="module")
 def demo_output() -> str:
-    """`python -m rlhf.theory`, as a user runs it, once for the tests that read it; a fresh interpreter also
-    shows that rlhf.theory imports alone."""
-    return subprocess.run([sys.executable, "-m", "rlhf.theory"], capture_output=True, text=True, check=True,
+    """`python -m lab.theory`, as a user runs it, once for the tests that read it; a fresh interpreter also
+    shows that lab.theory imports alone."""
+    return subprocess.run([sys.executable, "-m", "lab.theory"], capture_output=True, text=True, check=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
 
 
@@ -384,7 +384,7 @@ def test_report_digits_are_those_of_any_machine(monkeypatch, sign):
     arithmetic prints the sign of its rounding error (k1's and k3's bias: +0.000000, never -0.000000)."""
     from helpers import nudge
 
-    from rlhf.theory import expectations
+    from lab.theory import expectations
 
     report = expectations.report()
     example, off_policy_example = expectations.example, expectations.off_policy_example
@@ -883,8 +883,8 @@ def test_canonical_refuses_unknown_names():
 
 
 def test_demo_prints_the_fixed_points_and_the_frameworks_table(demo_output):
-    from rlhf.theory.fixed_point_tables import advantage_report, fixed_point_report
-    from rlhf.theory.peers import peer_report
+    from lab.theory.fixed_point_tables import advantage_report, fixed_point_report
+    from lab.theory.peers import peer_report
 
     assert fixed_point_report() in demo_output and peer_report() in demo_output
     assert advantage_report() in demo_output

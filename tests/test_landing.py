@@ -1,4 +1,4 @@
-"""The trainer lands where the theory says, on the synthetic tasks (rlhf/landing.py, rlhf/synthetic.py).
+"""The trainer lands where the theory says, on the synthetic tasks (lab/landing.py, lab/synthetic.py).
 
 What Landing computes (the rewards of every arm through the configured reward function, the candidates, the
 distances), and then one train.py run per claim family: k1 in the reward -> the reverse-KL optimum, k3 in the
@@ -19,12 +19,12 @@ import torch
 from accelerate import Accelerator
 
 import train
-from rlhf import synthetic
+from lab import synthetic
 from rlhf.config import load_config
-from rlhf.landing import Landing, start_landing
+from lab.landing import Landing, start_landing
 from rlhf.setup import setup
-from rlhf.theory import examples, optima
-from rlhf.theory.fixed_points import bandit_fixed_point
+from lab.theory import examples, optima
+from lab.theory.fixed_points import bandit_fixed_point
 from rlhf.tracking import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,21 +38,21 @@ def task_config(task, tmp_path, *overrides):
 
 
 def test_only_a_synthetic_task_loads_the_analysis():
-    """rlhf.theory (the fixed-point solver, the optima, the reports) loads only for a synthetic task: a fresh
+    """lab.theory (the fixed-point solver, the optima, the reports) loads only for a synthetic task: a fresh
     interpreter that imports the trainer, then loads, checks and asks for the landing of the embedded default's
     and GSM8K's configs, has imported none of it; the bandit's and the tree's tables then import it."""
     code = (
         "import sys, train\n"
-        "from rlhf import synthetic\n"
+        "from lab import synthetic\n"
         "from rlhf.config import load_config, warnings_for\n"
-        "from rlhf.landing import start_landing\n"
+        "from lab.landing import start_landing\n"
         "for name in ('tiny', 'gsm8k_qwen2.5_0.5b'):\n"
         "    cfg = load_config(f'configs/{name}.yaml')\n"
         "    warnings_for(cfg)\n"
         "    assert start_landing(cfg, None, None) is None\n"
-        "print(sorted(m for m in sys.modules if m.startswith('rlhf.theory')))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('lab.theory')))\n"
         "synthetic.reward_table('tree', cfg.synthetic)\n"
-        "print('rlhf.theory.examples' in sys.modules)\n"
+        "print('lab.theory.examples' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(CONFIGS)).stdout
@@ -158,8 +158,8 @@ def test_the_landing_report_reads_its_verdicts_off_the_runs(tmp_path):
     """landing_report from theory.json files written here: a cell within LANDED of its fixed point on every seed
     landed, one seed beyond it did not; a candidate equal to the fixed point is not asked to be told apart; the
     crossover's margin is compared with its spread over seeds."""
-    from rlhf.compare.grid import Arm, run_dir
-    from rlhf.compare.landing import LANDED, landing_report, read_cells, variant_dir
+    from lab.compare.grid import Arm, run_dir
+    from lab.compare.landing import LANDED, landing_report, read_cells, variant_dir
 
     rev, fwd = [0.6, 0.4], [0.4, 0.6]  # with pi_ref (0.5, 0.5), r = (log 1.5, 0), beta = 1, rev is k3+'s point
 
@@ -204,7 +204,7 @@ def test_the_solver_from_a_runs_end_tells_another_stable_point_from_a_run_not_th
     point with arm 3 alone (stable: a dying arm's penalty grows without bound; the solver keeps arm 2 too)
     stays; k3+ in the loss ended halfway from pi_ref to its fixed point is carried on to it; and one ended
     there (landed) has no row."""
-    from rlhf.compare.landing import Cell, from_the_end_rows
+    from lab.compare.landing import Cell, from_the_end_rows
 
     ex = examples.example(examples.BANDIT_EXAMPLE)
     ref, rewards, beta = ex["ref_probs"], ex["rewards"], ex["beta"]
@@ -234,7 +234,7 @@ def test_the_solver_starts_a_tree_from_a_runs_end():
     """landing.fixed_point from a tree's corner (1, 2), where prefixes 0 and 2 are never taken (they start from
     the reference's conditional): k1 in the reward, whose one stable point is the sequence-level optimum, goes
     there; started from it, it stays."""
-    from rlhf.landing import fixed_point
+    from lab.landing import fixed_point
 
     ex = examples.example(examples.TREE_EXAMPLE)
     ref = ex["ref_first"][:, None] * ex["ref_second"]
@@ -250,7 +250,7 @@ def test_the_solver_starts_a_tree_from_a_runs_end():
 def test_the_tree_report_sets_the_cells_that_did_not_land_against_the_plain_gradient_path():
     """plain_flow_rows: a cell at the plain path's end (GAE with k2 in the loss, which ends on the corner (1, 2),
     tests/test_fixed_points.py) is at it, one elsewhere is not; a landed cell has no row, grpo no path."""
-    from rlhf.compare.landing import Cell, plain_flow_rows
+    from lab.compare.landing import Cell, plain_flow_rows
 
     ex = examples.example(examples.TREE_EXAMPLE)
     ref = ex["ref_first"][:, None] * ex["ref_second"]

@@ -1,7 +1,7 @@
-"""Tests for rlhf/theory/peers.py: every computed cell of the frameworks' table, exactly, in float64.
+"""Tests for lab/theory/peers.py: every computed cell of the frameworks' table, exactly, in float64.
 
 Each row's expected gradient is checked against a closed form written here, E_w[f(x) grad log pi(x)] =
-w * f - pi * sum(w * f) for sampling weights w and a per-token factor f, and against rlhf.theory's own
+w * f - pi * sum(w * f) for sampling weights w and a per-token factor f, and against lab.theory's own
 enumerations; the verdict of each row is pinned, so changing a row's estimator, placement or weight fails.
 """
 
@@ -12,8 +12,8 @@ import torch
 from helpers import nudge
 
 from rlhf import theory
-from rlhf.theory import peers
-from rlhf.theory.peers import PEERS, PeerDefault, on_policy_equivalent, peer_cells, peer_kl_grad, peer_report, verdict
+from lab.theory import peers
+from lab.theory.peers import PEERS, PeerDefault, on_policy_equivalent, peer_cells, peer_kl_grad, peer_report, verdict
 
 TOL = 1e-10
 
@@ -178,7 +178,7 @@ def test_report_lists_every_row_and_source():
 @pytest.mark.parametrize("peer", PEERS, ids=IDS)
 def test_fixed_points_equal_the_named_optimum(peer):
     """The fixed point equals its named optimum to 1e-10, and the bandit tells the three optima apart."""
-    from rlhf.theory.optima import argmax_optimum, forward_kl_optimum, reverse_kl_optimum
+    from lab.theory.optima import argmax_optimum, forward_kl_optimum, reverse_kl_optimum
 
     ref, rewards, beta = peers.bandit()
     optima = {name: fn(ref, rewards, beta) for name, fn in

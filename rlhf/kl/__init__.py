@@ -32,8 +32,8 @@ uses k3 as a loss); Tang & Munos arXiv:2506.09477 and Zhang et al. arXiv:2505.17
 placement gives); Liu et al. arXiv:2510.01555 (k2 as a loss == k1 in the reward); Amini et al.
 arXiv:2504.10637 (full-vocabulary KL); DeepSeek-V3.2 report, section 3.1 (importance-weighted k3). The maths,
 the off-policy section and the numbers the tests use are in docs/kl.md; the exact analysis (expectations by
-enumeration, where each estimator x placement converges, the frameworks' defaults) is the package rlhf.theory,
-which `python -m rlhf.theory` prints and which this module never imports.
+enumeration, where each estimator x placement converges, the frameworks' defaults) is the package lab.theory,
+which `python -m lab.theory` prints and which this module never imports.
 
 The code, re-exported here: estimators.py (the sampled estimators, every estimator's name, kl_penalty,
 kl_per_token for any name, needs_logits, kl_panel), exact.py (full_kl), controllers.py (the KL coefficient in

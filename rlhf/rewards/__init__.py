@@ -89,11 +89,11 @@ class RewardFn:
 
 
 def prompt_fields(cfg) -> tuple[str, ...]:
-    """The columns the prompt rows of `cfg`'s data carry besides input_ids: PROMPT_FIELDS, and a synthetic
-    task's reward table (`rewards`, rlhf.synthetic.build_datasets)."""
-    from rlhf.synthetic import TASKS
+    """The columns the prompt rows of `cfg`'s task carry besides input_ids (rlhf.tasks.Task.prompt_fields):
+    PROMPT_FIELDS for GSM8K's data."""
+    from rlhf.tasks import get_task
 
-    return (*PROMPT_FIELDS, "rewards") if cfg.model.path in TASKS else PROMPT_FIELDS
+    return get_task(cfg.task.name).prompt_fields
 
 
 def load_reward(cfg) -> RewardFn:

@@ -1,6 +1,6 @@
 """Compare KL estimators x placements over seeds: run a grid of train.py runs, then report from their metrics.jsonl.
 
-The command line of `python -m rlhf.compare` (examples in the package docstring; the paragraph above is
+The command line of `python -m lab.compare` (examples in the package docstring; the paragraph above is
 `--help`'s description): check every run's config before the first one starts, run the grid, write the
 report.
 """
@@ -12,15 +12,15 @@ import os
 import sys
 import time
 
-from rlhf.compare.grid import (DEFAULT_GRID, GRIDS, GRPO_GRID, REGIMES, Arm, grid_jobs, run_dir, run_grid, run_key,
+from lab.compare.grid import (DEFAULT_GRID, GRIDS, GRPO_GRID, REGIMES, Arm, grid_jobs, run_dir, run_grid, run_key,
                                run_overrides, seed_list, shared_overrides)
-from rlhf.compare.landing import LANDING_GRID, VARIANTS, landing_report, run_all, variant_dir
-from rlhf.compare.report import write_report
+from lab.compare.landing import LANDING_GRID, VARIANTS, landing_report, run_all, variant_dir
+from lab.compare.report import write_report
 from rlhf.config import ConfigError, load_config
 
 
 DEFAULT_JOBS = min(2, os.cpu_count() or 1)
-LANDING_TASKS = ("bandit", "tree")  # --grid bandit | tree: the synthetic tasks, rlhf/compare/landing.py
+LANDING_TASKS = ("bandit", "tree")  # --grid bandit | tree: the synthetic tasks, lab/compare/landing.py
 
 
 def _regimes_text() -> str:
@@ -34,9 +34,9 @@ def _regimes_text() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The options of `python -m rlhf.compare`."""
+    """The options of `python -m lab.compare`."""
     parser = argparse.ArgumentParser(
-        prog="python -m rlhf.compare", description=__doc__.split("\n\n")[0],
+        prog="python -m lab.compare", description=__doc__.split("\n\n")[0],
         epilog=f"grid ppo, the default ({len(DEFAULT_GRID)} runs, configs/tiny.yaml): {' '.join(DEFAULT_GRID)}\n"
                f"grid grpo ({len(GRPO_GRID)} runs, configs/tiny_grpo.yaml): {' '.join(GRPO_GRID)}\n"
                "estimators: any of train.py's (k1/kl, k2/mse, k3/low_var_kl, abs, X+, full).\n"
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="which default runs, config and output dir: ppo (GAE with a critic, configs/tiny.yaml) "
                            "or grpo (configs/tiny_grpo.yaml); see below; bandit or tree: every estimator x "
                            "placement under rloo, grpo and gae on configs/<task>.yaml, against where the "
-                           "analysis says each lands (rlhf/compare/landing.py) (default: %(default)s)")
+                           "analysis says each lands (lab/compare/landing.py) (default: %(default)s)")
     grid.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
                       help="--grid bandit/tree: the advantage estimators to run (default: all)")
     grid.add_argument("--runs", nargs="+", metavar="RUN", default=None,
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m rlhf.compare` with `argv` (None: sys.argv[1:]). Returns the exit code: 0, 1 if a run
+    """`python -m lab.compare` with `argv` (None: sys.argv[1:]). Returns the exit code: 0, 1 if a run
     failed (the others and the report still made), 2 for a bad run name, seed count or config."""
     args = build_parser().parse_args(argv)
     if args.grid in LANDING_TASKS:

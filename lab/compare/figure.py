@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 import textwrap
 
-from rlhf.compare.claims import FORWARD, LAST_STEPS, REFERENCE, REVERSE, Claim
+from lab.compare.claims import FORWARD, LAST_STEPS, REFERENCE, REVERSE, Claim
 from rlhf.labels import legend_name
-from rlhf.compare.runs import Group, Run
-from rlhf.compare.stats import Estimate
+from lab.compare.runs import Group, Run
+from rlhf.stats import Estimate
 from rlhf.kl import PANEL_ESTIMATORS, canonical
 
 # Colour = estimator (the same in both placements), line style = placement.

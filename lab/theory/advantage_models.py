@@ -1,4 +1,4 @@
-"""The trainer's advantage estimators in expectation, for the exact fixed points (rlhf.theory.fixed_points).
+"""The trainer's advantage estimators in expectation, for the exact fixed points (lab.theory.fixed_points).
 
 A policy-gradient step weights each sampled arm's grad log pi(x) by its advantage A. What the solver needs
 from an estimator is, for every arm x, the expected advantage of a sample that landed on x,

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlhf.compare.runs import Group, Run
-from rlhf.compare.stats import MAX_SEEDS_ESTIMATE, Estimate, excludes_zero, paired_differences, seeds_needed
+from lab.compare.runs import Group, Run
+from rlhf.stats import MAX_SEEDS_ESTIMATE, Estimate, excludes_zero, paired_differences, seeds_needed
 
 LAST_STEPS = 5  # each seed's KL: the mean over its last 5 steps
 REVERSE, FORWARD = "kl/full", "kl/full_forward"  # exact KL(pi || ref) and KL(ref || pi), nats per token

@@ -1,6 +1,6 @@
 """The worked examples of docs/kl.md's fixed-point tables: a bandit, a two-token tree and a six-armed bandit.
 
-The tables (fixed_point_tables.py), the tests and the synthetic tree task (rlhf/synthetic.py) share them.
+The tables (fixed_point_tables.py), the tests and the synthetic tree task (lab/synthetic.py) share them.
 """
 
 import torch

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import yaml
 
-from rlhf.compare.grid import DEFAULT_GRID, run_key
+from lab.compare.grid import DEFAULT_GRID, run_key
 from rlhf.labels import run_label
-from rlhf.compare.stats import Estimate
+from rlhf.stats import Estimate
 from rlhf.config import from_dict
 from rlhf.tracking import read_metrics
 

@@ -1,10 +1,10 @@
-"""Where the trainer lands on the synthetic tasks: `python -m rlhf.compare --grid bandit` (or `--grid tree`).
+"""Where the trainer lands on the synthetic tasks: `python -m lab.compare --grid bandit` (or `--grid tree`).
 
 Every estimator (k1, k2, k3, abs, k1+, k3+, abs+, full) x placement (reward, loss), under each advantage
 estimator of VARIANTS (RLOO, the configs' default, whose fixed points are the textbook ones; GRPO with groups of
 8 and its std; GAE with a critic, gamma = lam = 1), with paired seeds, each run a plain train.py run of
-configs/bandit.yaml or configs/tree.yaml (rlhf.compare.grid.run_grid). Each run's theory.json holds its final
-distances to its own fixed point (where the analysis of rlhf.theory.fixed_points says that estimator x placement
+configs/bandit.yaml or configs/tree.yaml (lab.compare.grid.run_grid). Each run's theory.json holds its final
+distances to its own fixed point (where the analysis of lab.theory.fixed_points says that estimator x placement
 x advantage estimator lands) and to every textbook candidate; `landing_report` tabulates them over seeds:
 
 - landed: the final TV to its own fixed point, at most LANDED (0.03);
@@ -24,9 +24,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from rlhf.compare.grid import Arm, run_dir
-from rlhf.compare.stats import Estimate, excludes_zero
-from rlhf.theory.fixed_points import ESTIMATORS, PLACEMENTS
+from lab.compare.grid import Arm, run_dir
+from rlhf.stats import Estimate, excludes_zero
+from lab.theory.fixed_points import ESTIMATORS, PLACEMENTS
 
 LANDED = 0.03  # a run has landed on a point when its final total variation to it is at most this
 CROSSOVER_RATIO = 10.0  # the crossover's margin must exceed this many standard deviations over seeds
@@ -73,7 +73,7 @@ def run_all(jobs: list[tuple[str, str, list[str], str]], workers: int) -> dict[s
     import time
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    from rlhf.compare.grid import say
+    from lab.compare.grid import say
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -132,7 +132,7 @@ class Cell:
     def same_point(self, candidate: str) -> bool:
         """Whether `candidate` is within LANDED of the fixed point (in TV), so that landing on one is landing on
         both."""
-        from rlhf.theory.optima import tv
+        from lab.theory.optima import tv
         import torch
 
         first = next(iter(self.records.values()))
@@ -242,13 +242,13 @@ PLAIN_FLOW_MODELS = {"rloo": "exact", "gae": "gae"}
 
 
 def plain_flow_rows(cells: list[Cell]) -> list[str]:
-    """For each tree cell that did not land: where rlhf.theory.fixed_points.tree_plain_flow (plain gradient ascent on
+    """For each tree cell that did not land: where lab.theory.fixed_points.tree_plain_flow (plain gradient ascent on
     tabular logits, from the same pi_ref) ends, and each seed's final TV to that point (mean ± 95%, max). A
     cell is at that point when every seed is within LANDED of it."""
     import torch
 
-    from rlhf.theory.fixed_points import tree_plain_flow
-    from rlhf.theory.optima import tv
+    from lab.theory.fixed_points import tree_plain_flow
+    from lab.theory.optima import tv
 
     rows = ["| advantage | run | TV to its fixed point | TV to the plain path's end | max | at the plain path's end |",
             "|---|---|---|---|---|---|"]
@@ -260,7 +260,7 @@ def plain_flow_rows(cells: list[Cell]) -> list[str]:
             rows.append(f"| {cell.variant} | {cell.arm} | {_fmt(own)} | not computed | | |")
             continue
         arm = Arm.parse(cell.arm)
-        # the corrected loss has the on-policy gradient of k2 in the loss (rlhf.landing.run_kl)
+        # the corrected loss has the on-policy gradient of k2 in the loss (lab.landing.run_kl)
         estimator, placement = ("k2", "loss") if arm.placement == "loss-corrected" else (arm.estimator, arm.placement)
         first_record = next(iter(cell.records.values()))
         ref, rewards = (torch.tensor(first_record[k], dtype=torch.float64) for k in ("ref", "rewards"))
@@ -276,7 +276,7 @@ def plain_flow_rows(cells: list[Cell]) -> list[str]:
 
 
 def from_the_end_rows(cells: list[Cell]) -> list[str]:
-    """For each cell that did not land: where the analysis's own dynamics (rlhf.landing.fixed_point_from: the
+    """For each cell that did not land: where the analysis's own dynamics (lab.landing.fixed_point_from: the
     solver, the run's advantage model, clamps and kinks included) go from each seed's final policy. A seed that
     did not land *stays* when the solver moves it by at most LANDED (in TV): the run ended on another stable
     point of the dynamics the fixed point is computed from; it goes *to its fixed point* when the solver from
@@ -288,8 +288,8 @@ def from_the_end_rows(cells: list[Cell]) -> list[str]:
     it is visited) and can reach different stable points: plain_flow_rows speaks for the tree."""
     import torch
 
-    from rlhf.landing import fixed_point_from
-    from rlhf.theory.optima import tv
+    from lab.landing import fixed_point_from
+    from lab.theory.optima import tv
 
     rows = ["| advantage | run | TV to its fixed point | TV the solver moves it | TV from there to its fixed point "
             "| seeds: landed / stays / to its fixed point / elsewhere |", "|---|---|---|---|---|---|"]
@@ -338,7 +338,7 @@ def landing_report(output_dir: str, seeds: list[int], task: str, runs=LANDING_GR
                   *from_the_end_rows(cells)]
     if task == "tree" and missed:
         lines += ["", "Where there are several stable points, the path decides. The cells that did not land, against "
-                  "where plain gradient ascent on tabular logits ends from the same pi_ref (rlhf.theory.fixed_points."
+                  "where plain gradient ascent on tabular logits ends from the same pi_ref (lab.theory.fixed_points."
                   "tree_plain_flow; the solver's natural gradient moves every prefix at full speed, the plain "
                   "gradient each prefix by how often it is visited):", "", *plain_flow_rows(cells)]
     text = "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ For each row, on docs/kl.md's examples, `peer_kl_grad` gives the exact expected 
 coefficient (the sum over the vocabulary, no sampling): (a) on-policy, example A; (b) after the first optimizer
 step, example C (tokens from pi_old != pi); each is compared with grad KL(pi || ref) by `verdict`. (c) the
 bandit fixed point, where the policy stops (there pi_old == pi, so the on-policy gradient decides it), from
-rlhf.theory.fixed_points. `peer_report()` prints the table docs/kl.md carries, with the sources.
+lab.theory.fixed_points. `peer_report()` prints the table docs/kl.md carries, with the sources.
 """
 
 from dataclasses import dataclass
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.kl.estimators import kl_penalty
-from rlhf.theory.advantage_models import AdvantageModel
-from rlhf.theory.expectations import (
+from lab.theory.advantage_models import AdvantageModel
+from lab.theory.expectations import (
     OFF_POLICY_EXAMPLES,
     divergence_grad,
     example,
@@ -32,8 +32,8 @@ from rlhf.theory.expectations import (
     off_policy_example,
     reverse_kl,
 )
-from rlhf.theory.fixed_points import bandit_fixed_point
-from rlhf.theory.optima import argmax_optimum, forward_kl_optimum, reverse_kl_optimum, tv
+from lab.theory.fixed_points import bandit_fixed_point
+from lab.theory.optima import argmax_optimum, forward_kl_optimum, reverse_kl_optimum, tv
 
 PLACEMENTS = ("reward", "loss")
 CORRECTIONS = ("none", "rho", "unit")
@@ -64,7 +64,7 @@ class PeerDefault:
     """One framework setting: `estimator` is this module's name (kl_penalty), `placement` one of PLACEMENTS,
     `correction` one of CORRECTIONS (the module docstring), `kl_coef` the coefficient that setting uses and
     `default_on` whether the framework's default configuration has this term on at all. `advantage` is the
-    advantage estimator its policy gradient uses by default, as rlhf.theory.advantage_models models it (None where
+    advantage estimator its policy gradient uses by default, as lab.theory.advantage_models models it (None where
     none models it), read in `advantage_files`."""
 
     framework: str
@@ -333,7 +333,7 @@ def peer_fixed_point(peer: PeerDefault, with_advantage: bool = False) -> torch.T
 def fixed_point_verdict(
     probs: torch.Tensor, ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float, atol: float = 1e-10
 ) -> str:
-    """Which analytic optimum of rlhf.theory.optima `probs` is (to atol): 'reverse-KL optimum', 'forward-KL
+    """Which analytic optimum of lab.theory.optima `probs` is (to atol): 'reverse-KL optimum', 'forward-KL
     optimum', 'argmax' (all mass on the best arm, as with no KL at all), else 'other, max|pi - reverse opt| = ..'."""
     candidates = {
         "reverse-KL optimum": reverse_kl_optimum(ref_probs, rewards, beta),
@@ -391,7 +391,7 @@ def peer_report() -> str:
         "Gradients: of the KL term per unit coefficient, exact over the vocabulary, against grad KL(pi || ref); "
         f"(A) on-policy on example A, (C) on example C (tokens from pi_old = {pi_old}). Fixed point: on the "
         f"bandit ref = example A's, r = {BANDIT_REWARDS}, beta = {BANDIT_BETA}, with the idealised advantage "
-        "r_x - E_pi r, then with the advantage estimator the setting runs by default (rlhf.theory.advantage_models; "
+        "r_x - E_pi r, then with the advantage estimator the setting runs by default (lab.theory.advantage_models; "
         "'TV from it': to the idealised advantage's point).",
         "",
         "Sources (file:lines at the commit named):",

@@ -11,7 +11,7 @@ Off-policy, x ~ pi_old (old_probs (V,)) while the gradient is w.r.t. pi's logits
 kl_penalty of x, given old_logprob = log pi_old(x) if `corrected` (rho-weighted, kl_penalty's rule) else not:
 - expected_off_policy_value:     E_old[term] = sum_x old_x term(x)
 - expected_off_policy_loss_grad: grad_logits of sum_x old_x term(x)                (old_x a constant)
-`report()` is the estimator table `python -m rlhf.theory` prints first. The facts it shows are in docs/kl.md.
+`report()` is the estimator table `python -m lab.theory` prints first. The facts it shows are in docs/kl.md.
 """
 
 import torch
@@ -204,7 +204,7 @@ def _off_policy_report(name: str) -> list[str]:
 
 
 def report(names: tuple[str, ...] = ("A", "B"), off_policy: tuple[str, ...] = ("C",)) -> str:
-    """The table `python -m rlhf.theory` prints first: exact values and expected gradients for each example in
+    """The table `python -m lab.theory` prints first: exact values and expected gradients for each example in
     `names`, then each off-policy example in `off_policy` (OFF_POLICY_EXAMPLES) uncorrected and corrected."""
     lines = []
     for name in names:

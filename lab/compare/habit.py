@@ -1,7 +1,7 @@
 """The embedded default's planted habit in a comparison: what the KL placements predict for it, and the claims.
 
 The warm start often reports the first step's result as its final answer, which the reward scores 0
-(rlhf.habit). Where training stops on such a behaviour of the reference depends on the KL's direction
+(lab.habit). Where training stops on such a behaviour of the reference depends on the KL's direction
 (docs/kl.md, "The habit a forward KL keeps"): the forward KL that k3 in the loss regularises keeps at least
 beta q / (1 + beta) of it at each decision where the reference gives it q, while the reverse KL of k1 in the
 reward and k2, k3+, full in the loss keeps the reference's share tilted by e^(-1/beta), which is more where the
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 
-from rlhf.compare.claims import FORWARD, Claim, difference_claim
-from rlhf.compare.runs import Group, Run
-from rlhf.compare.stats import Estimate
+from lab.compare.claims import FORWARD, Claim, difference_claim
+from lab.compare.runs import Group, Run
+from rlhf.stats import Estimate
 
 HABIT = "val/habit_rate"  # sampled at the rollout temperature (trainer.val_samples responses per problem)
 SAMPLED_ACCURACY = "val/pass@1"  # the sampled responses' accuracy
@@ -32,14 +32,14 @@ def final(key: str):
 
 
 def prediction(runs: list[Run]) -> dict | None:
-    """rlhf.habit.predict at the runs' KL coefficient from their warm start, with `reach`, the share of the
+    """lab.habit.predict at the runs' KL coefficient from their warm start, with `reach`, the share of the
     reference's habit probability that its sampled responses show (step 0's val/habit_rate over the
     predicted reference rate: responses that miss the reasoning lines never reach the decision), and each
     limit times it. None unless every run is the embedded default with val/habit_rate logged and its warm
     start cached."""
     from rlhf.config import from_dict
     from rlhf.embedded import cache_entry, embedded_cache_dir
-    from rlhf.habit import held_out_problems, predict
+    from lab.habit import held_out_problems, predict
     from rlhf.models import load_causal_lm, load_tokenizer
 
     configs = [run.config for run in runs]
@@ -65,7 +65,7 @@ def decision_rates(runs: list[Run], problems, temperature: float) -> dict[str, d
     divided by their number}} of each run's exported model (`<run>/model`, the end of the run): the number
     the prediction is about, free of whether a response reaches the decision. Runs without a model are
     left out."""
-    from rlhf.habit import decision_probabilities
+    from lab.habit import decision_probabilities
     from rlhf.models import load_causal_lm, load_tokenizer
 
     out: dict[str, dict[int, float]] = {}
@@ -132,7 +132,7 @@ def prediction_lines(pred: dict | None, groups: list[Group]) -> list[str]:
     if pred is None:
         return []
     lines = ["## The planted habit: predicted and measured", "",
-             f"The warm start at the habit's decision token (rlhf.habit.decision_probabilities): "
+             f"The warm start at the habit's decision token (lab.habit.decision_probabilities): "
              f"{pred['num_habit_prone']} of {pred['num_problems']} held-out problems can show the habit; it "
              f"gets q = {pred['q_mean']:.2f} on average (median {pred['q_median']:.2f}), a habit rate of "
              f"{pred['reference_rate']:.3f} if every response reached the decision with the right reasoning "

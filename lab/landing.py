@@ -1,13 +1,13 @@
-"""Where a run on a synthetic task (rlhf/synthetic.py) stands against the theory, exactly, every step.
+"""Where a run on a synthetic task (lab/synthetic.py) stands against the theory, exactly, every step.
 
     landing = Landing.for_run(cfg, actor, tokenizer, reward_fn, row)    # once, before the first update
     metrics.update(landing.metrics(actor))                             # every step: theory/*
     landing.write(os.path.join(out_dir, "theory.json"), actor)         # at the end
 
-The policy is read off the actor's logits (rlhf.synthetic.policy: the bandit's pi, the tree's joint pi(a, b)),
+The policy is read off the actor's logits (lab.synthetic.policy: the bandit's pi, the tree's joint pi(a, b)),
 so every number is exact, no sampling. The candidates, at the run's own KL coefficient:
 - `fixed_point`: where the analysis says this run's estimator x placement x advantage estimator lands
-  (rlhf.theory.fixed_points, with the trainer's advantage model: GRPO's std, Dr. GRPO's (n - 1) / n, ...);
+  (lab.theory.fixed_points, with the trainer's advantage model: GRPO's std, Dr. GRPO's (n - 1) / n, ...);
 - `reverse_optimum`: argmax E[r] - beta KL(pi || ref) (over the whole sequence for the tree);
 - `forward_optimum`: argmax E[r] - beta KL(ref || pi) (over the joint for the tree);
 - `argmax`: no regularisation;
@@ -17,7 +17,7 @@ The reward on every arm (every pair for the tree) comes from the configured rewa
 trainer calls it, so a user's own reward gets its fixed point too. pi_ref is the actor before its first update
 (the reference model's weights).
 
-train.py imports this module for every run; the analysis, rlhf.theory, is imported inside the functions that
+train.py imports this module for every run; the analysis, lab.theory, is imported inside the functions that
 only a synthetic run calls, so that a GSM8K run never loads it.
 """
 
@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from rlhf import synthetic
+from lab import synthetic
 
 
 def run_kl(cfg) -> tuple[str | None, str | None, float]:
@@ -44,7 +45,7 @@ def run_kl(cfg) -> tuple[str | None, str | None, float]:
         return a.kl_penalty, "reward", a.kl_ctrl.kl_coef
     if ac.use_kl_loss and ac.kl_loss_off_policy_correction:
         # weighted by rho = pi / pi_old in the graph, k1's and k3's loss has the expected gradient of E_pi[k] =
-        # KL(pi || ref) at every mini-batch, which k2 in the loss has on-policy (rlhf.theory.peers.on_policy_equivalent)
+        # KL(pi || ref) at every mini-batch, which k2 in the loss has on-policy (lab.theory.peers.on_policy_equivalent)
         return "k2", "loss", ac.kl_loss_coef
     if ac.use_kl_loss:
         return ac.kl_loss_type, "loss", ac.kl_loss_coef
@@ -67,7 +68,7 @@ def start_landing(cfg, accelerator, run) -> "Landing | None":
     """The run's Landing on a synthetic task (None otherwise), from `run` (rlhf.setup.Setup) as setup built it:
     its actor is pi_ref (built before any checkpoint is loaded), its reward the configured one, called on every
     response with the first training row's prompt and fields."""
-    if cfg.model.path not in synthetic.TASKS:
+    if synthetic.task_of(cfg) is None:
         return None
     from rlhf import rewards
 
@@ -79,7 +80,7 @@ def start_landing(cfg, accelerator, run) -> "Landing | None":
         prompts = run.tokenizer.batch_decode(prompt_ids)
         return rewards.score(run.reward, run.tokenizer, prompts, completion_ids, fields)
 
-    table = arm_rewards(reward_score, cfg.model.path, actor.config.vocab_size, row["input_ids"], fields)
+    table = arm_rewards(reward_score, synthetic.task_of(cfg), actor.config.vocab_size, row["input_ids"], fields)
     return Landing.for_run(cfg, actor, table)
 
 
@@ -87,10 +88,10 @@ def fixed_point(task: str, ref: torch.Tensor, rewards: torch.Tensor, beta: float
                 placement: str | None, advantage: str, n: int | None,
                 start: torch.Tensor | None = None) -> torch.Tensor:
     """Where the analysis says a run lands, shaped as ref ((V,), or the tree's joint (V, V)): the solver of
-    rlhf.theory.fixed_points from pi_ref, or from the policy `start` (same shape) when given; the argmax without
+    lab.theory.fixed_points from pi_ref, or from the policy `start` (same shape) when given; the argmax without
     a KL (estimator None). advantage and n are the solver's advantage model."""
-    from rlhf.theory.fixed_points import bandit_fixed_point, tree_fixed_point
-    from rlhf.theory.optima import argmax_optimum
+    from lab.theory.fixed_points import bandit_fixed_point, tree_fixed_point
+    from lab.theory.optima import argmax_optimum
 
     if estimator is None:
         return argmax_optimum(ref.flatten(), rewards.flatten(), beta).view_as(ref)
@@ -135,8 +136,8 @@ class Landing:
     @classmethod
     def for_run(cls, cfg, actor, rewards: torch.Tensor) -> "Landing":
         """The candidates of this run's config, pi_ref read off `actor` (before its first update)."""
-        from rlhf.theory.advantage_models import advantage_model
-        from rlhf.theory.optima import (
+        from lab.theory.advantage_models import advantage_model
+        from lab.theory.optima import (
             argmax_optimum,
             forward_kl_optimum,
             reverse_kl_optimum,
@@ -144,7 +145,7 @@ class Landing:
             token_level_optimum,
         )
 
-        task, temperature = cfg.model.path, cfg.rollout.temperature
+        task, temperature = synthetic.task_of(cfg), cfg.rollout.temperature
         ref = synthetic.policy(actor, task, temperature)
         estimator, placement, beta = run_kl(cfg)
         a = cfg.algorithm
@@ -179,7 +180,7 @@ class Landing:
     def metrics(self, actor) -> dict[str, float]:
         """theory/tv_to_<candidate> for each candidate, theory/kl (KL(pi || ref)), theory/kl_forward
         (KL(ref || pi)) and theory/expected_reward, of the actor's policy now."""
-        from rlhf.theory.optima import tv
+        from lab.theory.optima import tv
 
         pi = synthetic.policy(actor, self.task, self.temperature)
         out = {f"theory/tv_to_{name}": tv(pi, point) for name, point in self.candidates.items()}
@@ -187,6 +188,10 @@ class Landing:
         out["theory/kl_forward"] = _kl(self.ref, pi)
         out["theory/expected_reward"] = (pi * self.rewards).sum().item()
         return out
+
+    def finish(self, output_dir: str, actor) -> dict:
+        """`write` to <output_dir>/theory.json: the end of a run (rlhf.tasks.Task.step_metrics)."""
+        return self.write(os.path.join(output_dir, "theory.json"), actor)
 
     def write(self, path: str, actor) -> dict:
         """theory.json: the task, beta, what the fixed point is and the solver's settings for it, pi_ref, the

@@ -14,8 +14,8 @@ import math
 import torch
 
 from rlhf.kl.estimators import canonical
-from rlhf.theory.advantage_models import WHITEN_EPS, AdvantageModel
-from rlhf.theory.fixed_points import token_penalty
+from lab.theory.advantage_models import WHITEN_EPS, AdvantageModel
+from lab.theory.fixed_points import token_penalty
 
 
 def reverse_kl_optimum(ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ token is an arm and every response has the same length) and the arm tokens a0, a
 reference model's next-token distribution after the prompt (and after each first token, for the tree): a
 tiny Qwen2 fitted to a clearly non-uniform target, so the candidate optima are far apart.
 
-Each row carries the task's reward table (`rewards`), so the default reward, `rlhf.synthetic:table_reward`,
+Each row carries the task's reward table (`rewards`), so the default reward, `lab.synthetic:table_reward`,
 is a plain `reward.function` like any other; the theory (`Landing`) evaluates the *configured* function on
 every arm (every pair for the tree), so a user's own reward gets its fixed point too.
 """
@@ -29,11 +29,30 @@ import shutil
 import torch
 
 from rlhf import kl
+from rlhf.tasks import Task, TaskData, task_options
 
-# `cfg` below is the config's `synthetic` section, an rlhf.config.SyntheticConfig. Not imported: rlhf.config's
-# validation calls check_config, and the import would tie the two into a circle.
+TASKS = ("bandit", "tree")  # the two tasks: task.name lab.synthetic:bandit or lab.synthetic:tree
+@dataclass
+class SyntheticConfig:
+    """The synthetic tasks' options (`task.options` of lab.synthetic:bandit or :tree): a tiny model whose policy can be enumerated."""
 
-TASKS = ("bandit", "tree")  # model.path (and data.*_files) values that build a synthetic task
+    num_arms: int = 6  # bandit: arm tokens a0 ... (the vocabulary is these and the prompt token <s>, itself an arm); the tree has docs/kl.md's example's three
+    seed: int = 2  # bandit: seeds the reward table and the reference's target (2: its forward- and reverse-KL optima at beta = 0.3 lie 0.246 apart in TV)
+    binary: bool = False  # bandit: rewards 0/1 (1 on the best quarter of the arms) instead of uniform on [0, 1]
+    ref_spread: float = 1.5  # bandit: std of the Gaussian logits of the reference's target (0 = uniform)
+    tree_prompt_mass: float = 0.001  # tree: the reference's probability of <s> (an arm with reward 0) in every state
+    hidden_size: int = 32  # model width (one transformer block)
+    num_prompts: int = 256  # rows of the training set (all the one prompt)
+    fit_steps: int = 300  # Adam steps fitting the reference to its target
+    fit_lr: float = 0.03  # their learning rate
+
+
+def task_of(cfg) -> str | None:
+    """"bandit" or "tree" for a run of config `cfg` on a synthetic task, None otherwise."""
+    module, _, name = cfg.task.name.partition(":")
+    return name if module == __name__ and name in TASKS else None
+
+
 PROMPT_TOKEN = "<s>"
 _CACHE_VERSION = 1
 
@@ -51,10 +70,7 @@ def response_length(task: str) -> int:
 def check_config(cfg) -> None:
     """Raise ValueError unless a run on a synthetic task is one the analysis models: the data is the task's
     own, every response has the task's length, one KL placement at most, a temperature the policy is read at."""
-    task, d, r = cfg.model.path, cfg.data, cfg.rollout
-    if (d.train_files, d.val_files) != (task, task):
-        raise ValueError(f"model.path={task} needs data.train_files={task} and data.val_files={task} "
-                         f"(got {d.train_files!r} and {d.val_files!r})")
+    task, d, r = task_of(cfg), cfg.data, cfg.rollout
     length = response_length(task)
     if d.max_response_length != length or not r.ignore_eos:
         raise ValueError(f"the {task}'s responses are exactly {length} token(s): set data.max_response_length="
@@ -72,19 +88,20 @@ def check_config(cfg) -> None:
     if ac.use_kl_loss and ac.kl_loss_off_policy_correction and kl.canonical(ac.kl_loss_type) not in ("k1", "k3"):
         raise ValueError(f"the fixed points model actor.kl_loss_off_policy_correction for k1 and k3 (whose "
                          f"corrected gradient is k2's on-policy), not for {ac.kl_loss_type}")
-    if cfg.synthetic.num_arms < 1:
-        raise ValueError(f"synthetic.num_arms must be >= 1, got {cfg.synthetic.num_arms}")
-    if not 0 < cfg.synthetic.tree_prompt_mass < 1:
-        raise ValueError(f"synthetic.tree_prompt_mass must be in (0, 1), got {cfg.synthetic.tree_prompt_mass}")
+    options = task_options(cfg)
+    if options.num_arms < 1:
+        raise ValueError(f"task.options.num_arms must be >= 1, got {options.num_arms}")
+    if not 0 < options.tree_prompt_mass < 1:
+        raise ValueError(f"task.options.tree_prompt_mass must be in (0, 1), got {options.tree_prompt_mass}")
 
 
 # ----------------------------------------------------------------------------- the task's tables
 
 
 def _tree_example() -> dict:
-    """docs/kl.md's two-step example, rlhf.theory.examples.TREE_EXAMPLE: imported on use, so that the trainer
-    loads the analysis (rlhf.theory) only for a synthetic task."""
-    from rlhf.theory.examples import TREE_EXAMPLE
+    """docs/kl.md's two-step example, lab.theory.examples.TREE_EXAMPLE: imported on use, so that the trainer
+    loads the analysis (lab.theory) only for a synthetic task."""
+    from lab.theory.examples import TREE_EXAMPLE
 
     return TREE_EXAMPLE
 
@@ -286,3 +303,48 @@ def table_reward(prompts, completions, completion_ids, rewards, **fields) -> lis
             value = value[token]
         out.append(float(value))
     return out
+
+
+# ----------------------------------------------------------------------------- the tasks the trainer runs
+
+
+class SyntheticTask(Task):
+    """The bandit or the tree as a task of the trainer (`task.name: lab.synthetic:bandit`): it builds its own
+    tokenizer, model (cached under trainer.cache_dir) and prompt rows, carries the reward table as a prompt
+    field, and logs where the run stands against the theory every step (lab.landing)."""
+
+    options = SyntheticConfig
+    prompt_fields = ("ground_truth", "rewards")
+    has_held_out = False
+
+    def __init__(self, kind: str):
+        self.kind, self.name = kind, f"{__name__}:{kind}"
+
+    def check(self, cfg) -> None:
+        check_config(cfg)
+
+    def cache_dir(self, cfg, output_dir: str) -> str:
+        return cfg.trainer.cache_dir or os.path.join(output_dir, "synthetic")
+
+    def load(self, cfg, accelerator) -> TaskData:
+        options = task_options(cfg)
+        with accelerator.main_process_first():
+            model_dir = prepare_synthetic(self.cache_dir(cfg, cfg.trainer.output_dir), self.kind, options,
+                                          log=accelerator.print)
+        tokenizer = load_tokenizer(model_dir)
+        return TaskData(tokenizer, *build_datasets(self.kind, options, tokenizer), model_dir)
+
+    def step_metrics(self, cfg, accelerator, run):
+        from lab.landing import start_landing
+
+        return start_landing(cfg, accelerator, run)
+
+    def base_model(self, cfg, output_dir: str) -> str:
+        return os.path.join(cache_entry(self.cache_dir(cfg, output_dir), self.kind, task_options(cfg)), "model")
+
+    def load_tokenizer(self, path: str):
+        return load_tokenizer(path)
+
+
+bandit = SyntheticTask("bandit")
+tree = SyntheticTask("tree")

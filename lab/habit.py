@@ -1,7 +1,7 @@
 """The embedded default's planted habit: what training does to it, and where a KL lets it stop.
 
-    python -m rlhf.habit outputs/tiny                                # a run's greedy answers, classified
-    python -m rlhf.habit --predict --config configs/tiny.yaml --beta 0.1 0.3   # where each KL stops it
+    python -m lab.habit outputs/tiny                                # a run's greedy answers, classified
+    python -m lab.habit --predict --config configs/tiny.yaml --beta 0.1 0.3   # where each KL stops it
 
 The warm-start demos of the embedded default end, for most multi-step problems, with the first step's
 result instead of the last (`embedded.sft_early_answer_frac`, see `rlhf.embedded`). The trainer logs the
@@ -22,30 +22,7 @@ from collections import Counter
 
 import torch
 
-CATEGORIES = ("correct", "first_step", "other")
-
-
-def classify(response: str, answer: str, method: str = "strict") -> str:
-    """"correct", "first_step" (the final answer is the first step's result, and that is wrong) or "other"."""
-    from rlhf.embedded import first_step_result
-    from rlhf.rewards.gsm8k import compute_score, extract_ground_truth
-
-    if compute_score(response, extract_ground_truth(answer), method=method) == 1.0:
-        return "correct"
-    if compute_score(response, first_step_result(answer), method=method) == 1.0:
-        return "first_step"
-    return "other"
-
-
-def habit_metric(answers: list[str], method: str = "strict"):
-    """The embedded default's `habit_rate` (rlhf.evaluation.ResponseMetric): 1 for a response to held-out row
-    i whose final answer is the first step's result of `answers[i]` and wrong ("first_step"), else 0."""
-
-    def habit_rate(completions, indices):
-        return [float(classify(text, answers[i], method) == "first_step") for text, i in zip(completions, indices)]
-
-    return habit_rate
-
+from rlhf.embedded import CATEGORIES, classify, held_out_problems  # noqa: F401  (the metric is the trainer's)
 
 @torch.no_grad()
 def greedy_counts(model, tokenizer, problems, max_prompt_length: int, max_response_length: int,
@@ -100,20 +77,6 @@ def decision_probabilities(model, tokenizer, problems, temperature: float = 1.0)
     return torch.tensor(rows, dtype=torch.float64)
 
 
-def held_out_problems(cfg, log=lambda *_: None):
-    """(the embedded default's artifacts, its held-out problems with their answers) for config `cfg` (an
-    rlhf.config.Config): the first data.max_val_samples of them, as the trainer evaluates; the cache is built
-    if missing."""
-    from rlhf.data import load_gsm8k
-    from rlhf.embedded import embedded_cache_dir, prepare_embedded_default
-
-    artifacts = prepare_embedded_default(embedded_cache_dir(cfg), cfg.embedded, log=log)
-    problems = load_gsm8k(artifacts.val_file, cfg.data.val_split, cfg.data.subset)
-    if cfg.data.max_val_samples:
-        problems = problems.select(range(min(cfg.data.max_val_samples, len(problems))))
-    return artifacts, problems
-
-
 # The reward at the decision: reporting the right number is worth 1, the habit and any other token 0.
 DECISION_REWARDS = (0.0, 1.0, 0.0)
 
@@ -124,7 +87,7 @@ def habit_limits(ref_probs: torch.Tensor, beta: float) -> dict[str, torch.Tensor
     (pi_x = beta ref_x / (lam - r_x): the habit keeps beta q / lam, lam in (1, 1 + beta]); "reverse", the
     reverse-KL optimum of k1 in the reward and k2, X+ and full in the loss (ref exp(r / beta), renormalised:
     the habit's share falls as e^(-1 / beta)). docs/kl.md, 'The habit a forward KL keeps', derives them."""
-    from rlhf.theory.optima import forward_kl_optimum, reverse_kl_optimum
+    from lab.theory.optima import forward_kl_optimum, reverse_kl_optimum
 
     rewards = torch.tensor(DECISION_REWARDS, dtype=torch.float64).expand_as(ref_probs)
     return {"forward": forward_kl_optimum(ref_probs, rewards, beta)[:, 0],
@@ -133,11 +96,11 @@ def habit_limits(ref_probs: torch.Tensor, beta: float) -> dict[str, torch.Tensor
 
 def solver_limits(ref_probs: torch.Tensor, beta: float, advantage: str = "rloo", n: int | None = 4
                   ) -> dict[str, torch.Tensor]:
-    """(N,) the habit's probability where the exact solver (rlhf.theory.fixed_points) takes k3 and k3+ in
+    """(N,) the habit's probability where the exact solver (lab.theory.fixed_points) takes k3 and k3+ in
     the loss from each decision of `ref_probs` (N, 3), under the trainer's advantage estimator `advantage`
     with group size n: habit_limits' two optima where the clamp and the estimator leave them (RLOO, beta >=
     0.15), elsewhere the corner or the point the estimator moves them to (docs/kl.md)."""
-    from rlhf.theory.fixed_points import bandit_fixed_point
+    from lab.theory.fixed_points import bandit_fixed_point
 
     rewards = torch.tensor(DECISION_REWARDS, dtype=torch.float64)
     return {name: torch.stack([bandit_fixed_point(row, rewards, beta, estimator, "loss", advantage=advantage,
@@ -216,8 +179,8 @@ def print_prediction(config: str, betas: list[float]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m rlhf.habit OUTPUT_DIR`: print `report` as docs/results.md's markdown table;
-    `python -m rlhf.habit --predict --config configs/tiny.yaml --beta 0.1 0.3`: `print_prediction`."""
+    """`python -m lab.habit OUTPUT_DIR`: print `report` as docs/results.md's markdown table;
+    `python -m lab.habit --predict --config configs/tiny.yaml --beta 0.1 0.3`: `print_prediction`."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", nargs="?", help="trainer.output_dir of a run of the embedded default")
     parser.add_argument("--predict", action="store_true", help="where a KL stops the habit, from the warm start")

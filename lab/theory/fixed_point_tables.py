@@ -1,4 +1,4 @@
-"""docs/kl.md's fixed-point tables, printed by `python -m rlhf.theory`.
+"""docs/kl.md's fixed-point tables, printed by `python -m lab.theory`.
 
 `fixed_point_report()`: where each estimator x placement converges on BANDIT_EXAMPLE and TREE_EXAMPLE, against
 each analytic optimum ('Where each estimator converges'). `advantage_report()`: where each of the trainer's
@@ -10,11 +10,11 @@ import math
 
 import torch
 
-from rlhf.theory.advantage_models import WHITEN_EPS, AdvantageModel
-from rlhf.theory.examples import BANDIT6_EXAMPLE, BANDIT_EXAMPLE, TREE_EXAMPLE, example
-from rlhf.theory.expectations import NOISE_BOUND
-from rlhf.theory.fixed_points import ESTIMATORS, PLACEMENTS, bandit_fixed_point, tree_fixed_point
-from rlhf.theory.optima import (
+from lab.theory.advantage_models import WHITEN_EPS, AdvantageModel
+from lab.theory.examples import BANDIT6_EXAMPLE, BANDIT_EXAMPLE, TREE_EXAMPLE, example
+from lab.theory.expectations import NOISE_BOUND
+from lab.theory.fixed_points import ESTIMATORS, PLACEMENTS, bandit_fixed_point, tree_fixed_point
+from lab.theory.optima import (
     OPTIMUM_NAMES,
     kl,
     predicted_bandit,

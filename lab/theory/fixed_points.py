@@ -12,7 +12,7 @@ whose expected gradient is grad sum_x sg(pi_x) k(x; theta), with kl_penalty's st
 Per-token values and derivatives come from kl_penalty (and full_kl for `full`), so the fixed points are those
 of the module the trainer runs, clamps included.
 
-The policy-gradient term follows an advantage model (`advantage=`, rlhf.theory.advantage_models): by default the
+The policy-gradient term follows an advantage model (`advantage=`, lab.theory.advantage_models): by default the
 idealised A_x = r_x - E_pi r ("exact", which RLOO's leave-one-out baseline gives exactly in expectation), or
 the trainer's rloo, grpo (divided by the group's std), drgrpo (grpo without the std), each over groups of n
 enumerated exactly, or gae (a converged critic, whitened over a large batch). `fixed_point_for_config` and
@@ -27,7 +27,7 @@ at pi = ref) is held there while the subgradient condition holds (_ascend). Wher
 (k2, k3, abs in the reward) the one reached depends on the path, and this path is not a network's under
 Adam: the tests check what every stable point satisfies. The analytic optima to compare with are in optima.py;
 docs/kl.md, 'Where each estimator converges', derives them, and 'Where the advantage estimator moves the fixed
-point' what the advantage models change. fixed_point_tables.py prints both tables (`python -m rlhf.theory`).
+point' what the advantage models change. fixed_point_tables.py prints both tables (`python -m lab.theory`).
 """
 
 import math
@@ -36,7 +36,7 @@ import torch
 
 from rlhf.kl.estimators import check_estimator, kl_penalty, needs_logits
 from rlhf.kl.exact import full_kl
-from rlhf.theory.advantage_models import (
+from lab.theory.advantage_models import (
     GROUP_ADVANTAGES,
     AdvantageModel,
     advantage_model,

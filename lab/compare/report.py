@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 
-from rlhf.compare.claims import FORWARD, LAST_STEPS, REFERENCE, REVERSE, claims, claims_table, late, unresolved
-from rlhf.compare.figure import plot_report
-from rlhf.compare.habit import HABIT, SAMPLED_ACCURACY, habit_claims, prediction, prediction_lines, predicted_sign
+from lab.compare.claims import FORWARD, LAST_STEPS, REFERENCE, REVERSE, claims, claims_table, late, unresolved
+from lab.compare.figure import plot_report
+from lab.compare.habit import HABIT, SAMPLED_ACCURACY, habit_claims, prediction, prediction_lines, predicted_sign
 from rlhf.labels import legend_name
-from rlhf.compare.runs import Group, Run, duplicate_seeds, group_runs, load_runs
-from rlhf.compare.stats import Estimate, excludes_zero, paired_differences
+from lab.compare.runs import Group, Run, duplicate_seeds, group_runs, load_runs
+from rlhf.stats import Estimate, excludes_zero, paired_differences
 from rlhf.kl import PANEL_ESTIMATORS
 
 REPORT_NAME = "kl_estimators"  # -> kl_estimators.png, kl_estimators.md
@@ -156,7 +156,7 @@ def _explanation(groups: list[Group], coef: str) -> list[str]:
         "estimator's bias (its logged batch mean `kl/<estimator>` minus `kl/full` on the same tokens, averaged "
         "over the steps). A cell is the mean of these over the run's n seeds ± the half-width of its 95% "
         "interval, t·sd/√n, with sd the sample standard deviation over the seeds and t Student's two-sided 95% "
-        "value for n−1 degrees of freedom (a table in rlhf/compare/stats.py). `(n=1)`: one seed, no interval. "
+        "value for n−1 degrees of freedom (a table in rlhf/stats.py). `(n=1)`: one seed, no interval. "
         f"`val/accuracy` before PPO (step 0): {start_text}.",
         "",
         differences,
@@ -215,7 +215,7 @@ def write_curves(groups: list[Group], path: str) -> None:
     interval (figure.mean_curve; null where one seed), rounded to 5 decimals, as JSON at `path`."""
     import json
 
-    from rlhf.compare.figure import mean_curve
+    from lab.compare.figure import mean_curve
 
     def rounded(values):
         return [None if v != v else round(v, 5) for v in values]  # NaN (one seed: no interval) -> null
