@@ -24,7 +24,6 @@ models' logits.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -41,8 +40,8 @@ from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_step
                              latest_checkpoint, save_checkpoint)
 from rlhf.labels import kl_tags
 from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
-from rlhf.processes import (launch_warnings, mean_over_processes, process_share, stop_rule, sum_over_processes,
-                            token_weighted_means)
+from rlhf.processes import (backward, gradient_sync, launch_warnings, mean_over_processes, optimizer_steps,
+                            process_share, stop_rule, sum_over_processes, token_weighted_means)
 from rlhf.rollout import (SamplingParams, generate, is_stop_token, left_pad, logprobs_and_logits,
                           paired_noise_generator, response_values, slice_batch, stop_token_ids)
 from rlhf.setup import Setup, setup, shard_on_cpu
@@ -130,13 +129,15 @@ def update(cfg: Config, accelerator, models, optimizers, batch, kl_ctrl, step: i
     a, mask, reduce_sum = cfg.algorithm, batch["response_mask"], sum_over_processes(accelerator)
     metrics = {}
     reward_kl = None
-    if a.use_kl_in_reward:
-        reward_kl = ppo.kl_per_token(a.kl_penalty, batch["old_logprobs"], batch["ref_logprobs"], batch.get("full_kl"))
+    if a.use_kl_in_reward:  # the estimator, parsed once (rlhf.kl.parse_estimator), per token: (B, R)
+        reward_kl = kl.parse_estimator(a.kl_penalty)(batch["old_logprobs"], batch["ref_logprobs"], batch.get("full_kl"))
         metrics["actor/reward_kl_penalty"] = ppo.sequence_mean(reward_kl, mask, reduce_sum)
         metrics["actor/reward_kl_penalty_coeff"] = kl_ctrl.value
     batch["token_rewards"] = ppo.token_rewards(batch["scores"], mask, reward_kl, kl_ctrl.value)
     batch["advantages"], batch["returns"] = ppo.advantages(a, batch, reduce_sum)
-    update_metrics, skipped = ppo_update(cfg, accelerator, models, optimizers, batch, step, timer)
+    update_metrics, skipped, own_old_logprobs = ppo_update(cfg, accelerator, models, optimizers, batch, step, timer)
+    if own_old_logprobs is not None:  # the update's own (an exactly on-policy step): for the batch's metrics
+        batch["old_logprobs"] = own_old_logprobs
     metrics.update(mean_over_processes(accelerator, update_metrics))
     if a.use_kl_in_reward and math.isfinite(metrics["actor/reward_kl_penalty"]):
         kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
@@ -148,8 +149,9 @@ def update(cfg: Config, accelerator, models, optimizers, batch, kl_ctrl, step: i
 def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, timer: Timer):
     """`actor.ppo_epochs` passes over the batch in mini-batches, one optimizer step per model and mini-batch
     (the critic only when there is one). A batch without old log-probs (ppo.old_logprobs_source is "update")
-    gets the update's own, detached: its one mini-batch's forwards all run before its optimizer step. Returns
-    (metrics averaged over mini-batches, the maximum for keys ending in /max; skipped updates)."""
+    uses the update's own, detached: its one mini-batch's forwards all run before its optimizer step. Returns
+    (metrics averaged over mini-batches, the maximum for keys ending in /max; skipped updates; the update's
+    own old log-probs (B, R), or None when the batch brought them)."""
     (actor, critic, ref), (actor_opt, critic_opt), ac = models, optimizers, cfg.actor
     own_old = "old_logprobs" not in batch
     if own_old and not ppo.is_on_policy(cfg):
@@ -163,31 +165,28 @@ def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, t
     records, skipped = defaultdict(list), 0
     for mini_index in ppo.minibatches(len(batch["response_ids"]), mini_size // world, ac.ppo_epochs,
                                       cfg.trainer.seed, step):
-        # Normalise by the global mini-batch (all micro-batches, all processes), so the summed micro-batch
-        # gradients equal the mini-batch's; DDP averages over processes, so each scales its share by world.
+        # Normalised by the global mini-batch (all micro-batches, all processes), so that the summed
+        # micro-batch gradients are the mini-batch's.
         agg = dict(num_tokens=accelerator.reduce(batch["response_mask"][mini_index].sum().float(), "sum"),
                    num_seqs=mini_size, norm_len=batch["response_ids"].shape[1])
         losses, finite = defaultdict(float), {name: True for name, *_ in learners}
         micro_indices = mini_index.split(ac.ppo_micro_batch_size)
         for i, micro_index in enumerate(micro_indices):
-            micro = slice_batch(batch, micro_index)
-            last = i == len(micro_indices) - 1  # gradients are all-reduced on the last micro-batch only
-            with timer("update_actor"), (contextlib.nullcontext() if last else accelerator.no_sync(actor)):
+            micro, last = slice_batch(batch, micro_index), i == len(micro_indices) - 1
+            with timer("update_actor"), gradient_sync(accelerator, actor, last):
                 with accelerator.autocast():  # forward only: the backward runs outside autocast
-                    loss, micro_metrics = micro_actor_loss(cfg, actor, ref, micro, agg)
-                accelerator.backward(loss * world)
-            if own_old:  # filled in by micro_actor_loss
-                own_logprobs[micro_index] = micro["old_logprobs"]
-            finite["actor"] &= math.isfinite(loss.item())
+                    loss, micro_metrics, logprobs = micro_actor_loss(cfg, actor, ref, micro, agg)
+                finite["actor"] &= backward(accelerator, loss)
+            if own_old:
+                own_logprobs[micro_index] = logprobs
             if critic is not None:
-                with timer("update_critic"), (contextlib.nullcontext() if last else accelerator.no_sync(critic)):
+                with timer("update_critic"), gradient_sync(accelerator, critic, last):
                     with accelerator.autocast():
                         values = response_values(critic, micro)
                     vf_loss, critic_metrics = core_algos.value_loss(
                         values, micro["values"], micro["returns"], micro["response_mask"],
                         cfg.critic.cliprange_value, ac.loss_agg_mode, **agg)
-                    accelerator.backward(vf_loss * world)
-                finite["critic"] &= math.isfinite(vf_loss.item())
+                    finite["critic"] &= backward(accelerator, vf_loss)
                 micro_metrics.update(critic_metrics)
             for key, value in micro_metrics.items():
                 if key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss"):
@@ -198,41 +197,34 @@ def ppo_update(cfg: Config, accelerator, models, optimizers, batch, step: int, t
         # processes (train_step) is their sum.
         for key, value in losses.items():
             records[key].append(value * world)
-        # One decision for all processes (a loss may be non-finite on one only), or the copies drift apart.
-        num_bad = accelerator.reduce(torch.tensor([float(not ok) for ok in finite.values()],
-                                                  device=accelerator.device), "sum")
-        for (name, model, opt, clip), bad in zip(learners, num_bad):
-            with timer(f"update_{name}"):
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
-                if torch.isfinite(grad_norm) and bad.item() == 0:
-                    opt.step()
-                else:  # a non-finite loss or gradient never reaches the weights
-                    skipped += 1
-                opt.zero_grad(set_to_none=True)
-            records[f"{name}/grad_norm"].append(grad_norm.item())
-    if own_old:  # for the metrics of the batch (ppo.logprob_mismatch)
-        batch["old_logprobs"] = own_logprobs
-    return {key: max(values) if key.endswith("/max") else sum(values) / len(values)
-            for key, values in records.items()}, skipped
+        with timer("update_step"):
+            num_skipped, grad_norms = optimizer_steps(accelerator, learners, list(finite.values()))
+        skipped += num_skipped
+        for (name, *_), grad_norm in zip(learners, grad_norms):
+            records[f"{name}/grad_norm"].append(grad_norm)
+    metrics = {key: max(values) if key.endswith("/max") else sum(values) / len(values)
+               for key, values in records.items()}
+    return metrics, skipped, own_logprobs
 
 
-def micro_actor_loss(cfg: Config, actor, ref, micro, agg) -> tuple[torch.Tensor, dict[str, float]]:
-    """The actor's forward pass and loss on one micro-batch (rlhf.ppo.actor_loss), with actor/entropy. Without
-    old log-probs in `micro` (an exactly on-policy update), sets them to its own, detached."""
+def micro_actor_loss(cfg: Config, actor, ref, micro, agg) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """The actor's forward pass and loss on one micro-batch (rlhf.ppo.actor_loss), with actor/entropy. Returns
+    (loss, metrics, the micro-batch's log-probs, detached). Without old log-probs in `micro` (an exactly
+    on-policy update), the old ones are its own log-probs, detached."""
     temperature, mask = cfg.rollout.temperature, micro["response_mask"]
     logprobs, logits = logprobs_and_logits(actor, micro, temperature)
-    micro.setdefault("old_logprobs", logprobs.detach())
+    old_logprobs = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
     with torch.set_grad_enabled(bool(cfg.actor.entropy_coeff)):  # out of the graph unless in the loss
         entropy = core_algos.entropy_from_logits(logits, temperature)
     full = None
-    if cfg.actor.use_kl_loss and kl.needs_logits(cfg.actor.kl_loss_type):  # exact KL, through the actor's logits
+    if cfg.actor.use_kl_loss and kl.parse_estimator(cfg.actor.kl_loss_type).needs_logits:  # exact, through the logits
         with torch.no_grad():
             ref_logits = logprobs_and_logits(ref, micro, temperature)[1]
         full = kl.full_kl(logits, ref_logits, temperature)
-    loss, metrics = ppo.actor_loss(cfg.actor, logprobs, micro["old_logprobs"], micro["advantages"], mask, entropy,
+    loss, metrics = ppo.actor_loss(cfg.actor, logprobs, old_logprobs, micro["advantages"], mask, entropy,
                                    micro.get("ref_logprobs"), full, **agg)
     metrics["actor/entropy"] = core_algos.masked_mean(entropy.detach(), mask).item()
-    return loss, metrics
+    return loss, metrics, logprobs.detach()
 
 
 def batch_metrics(cfg: Config, accelerator, batch, eos_token_ids: int | tuple[int, ...]) -> dict[str, float]:

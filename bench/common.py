@@ -1,8 +1,8 @@
 """What bench/ppo_step.py and bench/grpo_step.py share: the workload, our side of the comparison, the clocks
 and counters, the memory probe, the interleaved rounds and the lines that say what a timing was taken under.
 
-Importing this module sets the environment both benchmarks run in (before torch loads) and puts the
-repository root on sys.path, so it is the first import of each benchmark.
+Importing this module sets the environment both benchmarks run in (before torch loads), so it is the first
+import of each benchmark; the trainer (`rlhf`, `train`) comes from the installed project (pip install -e .).
 
 The workload, built in a temporary directory with no network (`build_workload`):
 - a byte-level BPE tokenizer of 400 tokens trained with `tokenizers` on generated GSM8K-style problems;
@@ -42,7 +42,6 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 import torch  # noqa: E402
 
@@ -90,7 +89,7 @@ def start(threads: int, gpu: bool):
     try:
         import trl
     except ImportError:
-        sys.exit("TRL is the reference and is not installed: pip install -r requirements-bench.txt")
+        sys.exit("TRL is the reference and is not installed: pip install -e \".[bench]\"")
     import transformers
 
     transformers.logging.set_verbosity_error()  # load reports of the freshly initialised value heads

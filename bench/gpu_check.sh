@@ -9,8 +9,8 @@
 #                        (by phase, with and without the old-log-prob pass, the floor, peak GPU memory)
 #   rehearsal.json       python bench/rehearse_gpu_recipe.py --gpu: 3 steps of the GPU recipe with the
 #                        recipe's own batch sizes (256 prompts, micro-batches 4), random weights, then resume
-# Needs torch with CUDA and the repository's requirements; `python` with requirements-bench.txt (TRL 0.29.1),
-# and GRPO_PYTHON (default: python) an interpreter with requirements-bench-trl1.txt (TRL 1.16), e.g.
+# Needs torch with CUDA and the repository's requirements; `python` with the bench extra (TRL 0.29.1),
+# and GRPO_PYTHON (default: python) an interpreter with the bench-trl1 extra (TRL 1.16), e.g.
 #   GRPO_PYTHON=/tmp/venv-trl116/bin/python bash bench/gpu_check.sh
 set -u
 cd "$(dirname "$0")/.."

@@ -2,9 +2,9 @@
 GRPOTrainer and against the floor (the same model passes done bare), on identical work; with our step's
 old-log-prob pass and without it, with the KL panel, and our GAE step (with its critic) beside it.
 
-    python -m venv /tmp/venv-trl116 && /tmp/venv-trl116/bin/pip install torch==2.13.0 -r requirements-bench-trl1.txt
+    python -m venv /tmp/venv-trl116 && /tmp/venv-trl116/bin/pip install torch==2.13.0 -e ".[bench-trl1]"
     /tmp/venv-trl116/bin/python bench/grpo_step.py      # against TRL 1.16; the last line is key=value
-    python bench/grpo_step.py --iters 5 --warmup 1 --skip-memory   # as well with requirements-bench.txt's TRL
+    python bench/grpo_step.py --iters 5 --warmup 1 --skip-memory   # as well with the bench extra's TRL
     python bench/grpo_step.py --gpu                      # Qwen2.5-0.5B-shaped model, bf16 autocast, CUDA
 
 The workload, our side, `PhaseTimer`, the counters, the memory probe and the interleaved rounds are
@@ -52,7 +52,7 @@ import statistics
 import tempfile
 import warnings
 
-# bench/common.py first: it sets the environment before torch loads and puts the repository root on sys.path.
+# bench/common.py first: it sets the environment before torch loads.
 from common import (GROUP_PROMPTS, KL_COEF, LR, N, NUM_RESPONSES, PHASES, PROMPT_WIDTH, RESPONSE_LENGTH, OursSide,
                     OursVariant, PhaseTimer, build_workload, count_optimizer_steps, forward_batch_sizes,
                     interleaved_rounds, load_group_workload, measure_memory, median_phase, median_untimed,

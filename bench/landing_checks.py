@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from lab.landing import fixed_point_from  # noqa: E402
-from lab.theory.fixed_points import tree_plain_flow  # noqa: E402
+from lab.landing import fixed_point_from
+from lab.theory.fixed_points import tree_plain_flow
 
 
 def tv(p: torch.Tensor, q: torch.Tensor) -> float:

@@ -1,7 +1,7 @@
 """One PPO step of our trainer (`train.train_step`) against TRL's PPOTrainer on identical work, and
 against the floor (the same model passes done bare).
 
-    pip install -r requirements-bench.txt       # TRL 0.29.1 (PPOTrainer is gone from TRL 1.13 on)
+    pip install -e ".[bench]"                   # TRL 0.29.1 (PPOTrainer is gone from TRL 1.13 on)
     python bench/ppo_step.py                    # a few minutes on 2 cores; the last line is key=value
     python bench/ppo_step.py --iters 9 --profile ours   # plus a torch.profiler table of our step
     python bench/ppo_step.py --gpu              # Qwen2.5-0.5B-shaped models, bf16 autocast, CUDA
@@ -53,7 +53,7 @@ import statistics
 import tempfile
 import time
 
-# bench/common.py first: it sets the environment before torch loads and puts the repository root on sys.path.
+# bench/common.py first: it sets the environment before torch loads.
 from common import (KL_COEF, LR, MINI_BATCH, NUM_PROMPTS, PHASES, PROMPT_WIDTH, RESPONSE_LENGTH, SEED, STEP_KEYS,
                     GenerationClock, OursSide, OursVariant, PhaseTimer, build_workload, count_decode_steps,
                     count_optimizer_steps, interleaved_rounds, load_workload, measure_memory, median_phase,

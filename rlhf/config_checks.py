@@ -44,6 +44,8 @@ def validate(cfg, num_processes: int = 1) -> None:
     def checked(key: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except ConfigError:
+            raise
         except (ValueError, TypeError) as e:
             raise ConfigError(f"config key {key!r}: {e}") from None
 
@@ -97,8 +99,8 @@ def validate(cfg, num_processes: int = 1) -> None:
                           f"got {cfg.reward.correct_threshold!r}.")
     checked("actor.loss_agg_mode", core_algos.check_loss_agg_mode, ac.loss_agg_mode)
     checked("algorithm.adv_estimator", core_algos.check_adv_estimator, a.adv_estimator)
-    checked("algorithm.kl_penalty", kl.check_estimator, a.kl_penalty, allow_full=True)
-    checked("actor.kl_loss_type", kl.check_estimator, ac.kl_loss_type, allow_full=True)
+    checked("algorithm.kl_penalty", kl.parse_estimator, a.kl_penalty)  # parsed once: the step gets the object back
+    checked("actor.kl_loss_type", kl.parse_estimator, ac.kl_loss_type)
     kc = a.kl_ctrl
     checked("algorithm.kl_ctrl", kl.check_kl_ctrl, kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
 

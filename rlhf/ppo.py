@@ -7,7 +7,6 @@ Each function here is one decision of the step, small enough to check by hand (t
     sequence_mean      a per-token quantity averaged per sequence, then over sequences (the reward KL)
     advantages         by the configured estimator (GAE whitened, or grpo / rloo over each prompt's group)
     groups_with_equal_scores  the share of groups whose advantages are 0 (no learning signal)
-    kl_per_token       the configured KL estimator per token
     actor_loss         policy loss - entropy bonus + KL loss, for the configured estimator
     minibatches        the mini-batches of every epoch, drawn from (seed, step)
     is_on_policy, old_logprobs_source, keeps_sampler_logprobs, needs_rollout_full_kl
@@ -79,14 +78,6 @@ def groups_with_equal_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> f
     return sum(bool((g == g[0]).all()) for g in groups) / len(groups) if groups else 0.0
 
 
-def kl_per_token(estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                 full_kl: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
-    """The configured estimator per token, (B, R), by kl.kl_per_token: `full_kl` (the exact KL from the
-    logits) for an estimator that kl.needs_logits, else the sampled estimate, importance-weighted for
-    off-policy tokens when `old_logprobs` is given."""
-    return kl.kl_per_token(estimator, logprobs, ref_logprobs, full_kl, old_logprob=old_logprobs)
-
-
 def actor_loss(cfg: ActorConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                response_mask: torch.Tensor, entropy: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
                full_kl: torch.Tensor | None = None, **agg) -> tuple[torch.Tensor, dict[str, float]]:
@@ -106,7 +97,8 @@ def actor_loss(cfg: ActorConfig, logprobs: torch.Tensor, old_logprobs: torch.Ten
         loss = loss - cfg.entropy_coeff * core_algos.agg_loss(entropy, response_mask, cfg.loss_agg_mode, **agg)
     if cfg.use_kl_loss:
         old = old_logprobs if cfg.kl_loss_off_policy_correction else None
-        kl_loss = core_algos.agg_loss(kl_per_token(cfg.kl_loss_type, logprobs, ref_logprobs, full_kl, old),
+        kl_per_token = kl.parse_estimator(cfg.kl_loss_type)(logprobs, ref_logprobs, full_kl, old)  # (B, R)
+        kl_loss = core_algos.agg_loss(kl_per_token,
                                       response_mask, cfg.loss_agg_mode, **agg)
         loss = loss + cfg.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss.item()
@@ -133,7 +125,7 @@ def needs_rollout_full_kl(cfg: Config) -> bool:
     for the KL panel (kl/full, kl/full_forward) and for a KL in the reward by an estimator that needs logits
     (full). A `full` KL loss takes its own, through the update's logits."""
     a = cfg.algorithm
-    return cfg.trainer.log_kl_panel or (a.use_kl_in_reward and kl.needs_logits(a.kl_penalty))
+    return cfg.trainer.log_kl_panel or (a.use_kl_in_reward and kl.parse_estimator(a.kl_penalty).needs_logits)
 
 
 def old_logprobs_source(cfg: Config, sampler_logprobs: bool = False) -> str:

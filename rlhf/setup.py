@@ -41,18 +41,23 @@ class Setup:
 
 
 def setup(cfg: Config, accelerator: Accelerator) -> Setup:
-    """The task's data and model path (rlhf.tasks), the models (loaded through the hub code path), optimizers,
-    sampler, KL controller and reward."""
-    task = get_task(cfg.task.name)
-    data = task.load(cfg, accelerator)
-    actor, critic, ref = load_models(cfg, data.model_path)
-    accelerator.print(f"train prompts: {len(data.train_set)}, held-out: {len(data.val_set)}, "
+    """The task's data and models (prepare_data_and_models), optimizers, sampler, KL controller and reward."""
+    tokenizer, train_set, val_set, actor, critic, ref = prepare_data_and_models(cfg, accelerator)
+    accelerator.print(f"train prompts: {len(train_set)}, held-out: {len(val_set)}, "
                       f"actor parameters: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M, "
                       f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value}), "
                       f"device: {accelerator.device}")
-    run = build_setup(cfg, accelerator, data.tokenizer, data.train_set, data.val_set, actor, critic, ref)
-    run.val_metrics = task.val_metrics(cfg, data.val_set)
+    run = build_setup(cfg, accelerator, tokenizer, train_set, val_set, actor, critic, ref)
+    run.val_metrics = get_task(cfg.task.name).val_metrics(cfg, val_set)
     return run
+
+
+def prepare_data_and_models(cfg: Config, accelerator: Accelerator):
+    """(tokenizer, train_set, val_set, actor, critic, ref): the task's data (rlhf.tasks: the embedded default
+    and GSM8K through the hub code path, or a task of the config's own) and the models loaded from its model
+    path (load_models)."""
+    data = get_task(cfg.task.name).load(cfg, accelerator)
+    return (data.tokenizer, data.train_set, data.val_set, *load_models(cfg, data.model_path))
 
 
 def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val_set, actor, critic, ref) -> Setup:

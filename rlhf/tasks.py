@@ -80,9 +80,12 @@ class GSM8KTask(Task):
     def check(self, cfg) -> None:
         from rlhf.data import check_data_file, looks_like_path
 
-        for source in (cfg.data.train_files, cfg.data.val_files):
+        for key, source in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
             if source != "embedded" and looks_like_path(source):
-                check_data_file(source)
+                try:
+                    check_data_file(source)
+                except ValueError as e:
+                    raise ConfigError(f"config key {key!r}: {e}") from None
 
     def load(self, cfg, accelerator) -> TaskData:
         from rlhf.data import load_gsm8k, load_held_out, tokenize_prompts

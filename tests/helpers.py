@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from rlhf.config import EmbeddedConfig
+from rlhf.embedded import EmbeddedConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,8 +16,8 @@ TINY_EMBEDDED = EmbeddedConfig(num_train=64, num_val=16, hidden_size=32, interme
 
 
 def embedded_overrides(embedded: EmbeddedConfig = TINY_EMBEDDED) -> list[str]:
-    """`embedded.*` overrides that make train.py build `embedded` itself (the notebook uses the same)."""
-    return [f"embedded.{key}={value}" for key, value in vars(embedded).items()
+    """`task.options.*` overrides that make train.py build `embedded` itself (the notebook uses the same)."""
+    return [f"task.options.{key}={value}" for key, value in vars(embedded).items()
             if value != getattr(EmbeddedConfig, key)]
 
 

@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 import yaml
 
-from rlhf import compare
+from lab import compare
 from rlhf.labels import kl_tags, run_label
 from rlhf.config import Config, ConfigError, from_dict, load_config, to_dict
-from rlhf.config import EmbeddedConfig
+from rlhf.embedded import EmbeddedConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -140,7 +140,7 @@ def planned_runs(sweep: dict) -> list[dict]:
             from sweeps.run import RunState
     except ImportError as e:
         pytest.fail(f"W&B's sweeps engine is not importable ({e}): pip install --no-deps sweeps==0.3.0, "
-                    "and requirements-dev.txt (jsonref)")
+                    "and the test extra (jsonref, scipy)")
     runs = []
     while len(runs) < 1000:
         (run,) = grid_search_next_runs(runs, sweep, validate=True)
@@ -338,7 +338,7 @@ STUB_TRAIN = textwrap.dedent("""
 def stub_trainer(tmp_path, monkeypatch):
     path = tmp_path / "stub_train.py"
     path.write_text(STUB_TRAIN)
-    monkeypatch.setattr("lab.compare.grid.TRAIN_PY", str(path))
+    monkeypatch.setattr("lab.compare.grid.TRAIN_COMMAND", (sys.executable, str(path)))
     return path
 
 

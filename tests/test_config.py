@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from rlhf.embedded import EmbeddedConfig
 from rlhf.config import Config, ConfigError, config_table, load_config, warnings_for
 
 
@@ -110,4 +111,5 @@ def test_docs_config_table_is_the_schema():
     """docs/config.md's table of keys is config_table(): a key added, removed or re-documented shows up here."""
     page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config.md")).read()
     assert config_table() in page
+    assert config_table(EmbeddedConfig, "task.options.") in page  # the embedded default's task options
     assert "| `algorithm.adv_estimator` | `gae` |" in config_table()

@@ -10,7 +10,7 @@ import torch
 from helpers import TINY_EMBEDDED
 
 from rlhf.data import INSTRUCTION, build_prompt, load_gsm8k
-from rlhf.config import EmbeddedConfig
+from rlhf.embedded import EmbeddedConfig
 from rlhf.embedded import (build_model, config_hash, generate_problems, prepare_embedded_default,
                             train_tokenizer, warm_start_demos)
 from rlhf.models import load_causal_lm, load_tokenizer

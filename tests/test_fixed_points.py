@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import nudge
 
-from rlhf import theory
+from lab import theory
 from rlhf.kl import canonical
 from lab.theory import advantage_models as am
 from lab.theory import examples, fixed_point_tables, optima

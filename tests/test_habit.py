@@ -7,10 +7,11 @@ import torch
 from helpers import tiny_overrides
 
 import rlhf.setup
+import rlhf.tasks
 import train
 from rlhf.config import load_config
-from rlhf.embedded import first_step_result
-from lab.habit import (CATEGORIES, DECISION_REWARDS, classify, decision_probabilities, habit_limits, habit_metric,
+from rlhf.embedded import first_step_result, habit_metric
+from lab.habit import (CATEGORIES, DECISION_REWARDS, classify, decision_probabilities, habit_limits,
                         main, report)
 from rlhf.tracking import read_metrics
 
@@ -48,9 +49,9 @@ def test_report_on_a_real_run_matches_the_trainers_own_evaluation(tmp_path, monk
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = tmp_path / "run"
     overrides = [
-        "embedded.num_train=256", "embedded.num_val=32", "embedded.hidden_size=64", "embedded.intermediate_size=128",
-        "embedded.num_layers=2", "embedded.num_heads=2", "embedded.num_kv_heads=1", "embedded.sft_steps=150",
-        "embedded.max_difficulty=2", "embedded.max_value=10", "data.max_response_length=32",
+        "task.options.num_train=256", "task.options.num_val=32", "task.options.hidden_size=64", "task.options.intermediate_size=128",
+        "task.options.num_layers=2", "task.options.num_heads=2", "task.options.num_kv_heads=1", "task.options.sft_steps=150",
+        "task.options.max_difficulty=2", "task.options.max_value=10", "data.max_response_length=32",
         "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=8", "actor.lr=1e-3",
         "rollout.log_prob_micro_batch_size=16", "trainer.total_steps=2", "trainer.test_freq=0",
         "trainer.logger=none", f"trainer.output_dir={out}", f"trainer.cache_dir={tmp_path / 'cache'}",
@@ -103,7 +104,7 @@ def test_task_metrics_are_averaged_per_problem_greedy_and_sampled(artifacts, tmp
         assert len(completions) == len(indices)
         return [float(i % 2 == 0) for i in indices]
 
-    monkeypatch.setattr(rlhf.setup, "task_metrics", lambda *args: {"probe": probe})
+    monkeypatch.setattr(rlhf.tasks.EmbeddedTask, "val_metrics", lambda *args: {"probe": probe})
     out = str(tmp_path / "run")
     cfg = load_config(None, tiny_overrides(artifacts, out, "trainer.val_samples=3", "trainer.logger=none",
                                            "data.max_val_samples=7"))
@@ -120,7 +121,7 @@ def test_gsm8k_files_have_no_habit_metric(artifacts, tmp_path):
     """The habit exists only in the embedded default's problems (the real run above logs it): GSM8K files,
     e.g. the hub's, get no task metric, so the trainer is the same for them."""
     files = load_config(None, tiny_overrides(artifacts, str(tmp_path / "run")))
-    assert rlhf.setup.task_metrics(files, None, 8) == {}
+    assert rlhf.tasks.get_task(files.task.name).val_metrics(files, None) == {}
 
 
 # ----------------------------------------------------------------------------- where a KL keeps the habit

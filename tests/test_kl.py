@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf import theory
+from lab import theory
 from rlhf.kl import (
     ESTIMATOR_NAMES,
     KL_CTRL_TYPES,

@@ -51,7 +51,7 @@ def test_only_a_synthetic_task_loads_the_analysis():
         "    warnings_for(cfg)\n"
         "    assert start_landing(cfg, None, None) is None\n"
         "print(sorted(m for m in sys.modules if m.startswith('lab.theory')))\n"
-        "synthetic.reward_table('tree', cfg.synthetic)\n"
+        "synthetic.reward_table('tree', synthetic.SyntheticConfig())\n"
         "print('lab.theory.examples' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from rlhf.config import EmbeddedConfig
+from rlhf.embedded import EmbeddedConfig
 from rlhf.embedded import build_model, generate_problems, train_tokenizer
 from rlhf.models import load_causal_lm, load_critic, load_tokenizer, resolve_dtype
 from rlhf.rollout import build_batch, left_pad, response_values

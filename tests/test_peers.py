@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import nudge
 
-from rlhf import theory
+from lab import theory
 from lab.theory import peers
 from lab.theory.peers import PEERS, PeerDefault, on_policy_equivalent, peer_cells, peer_kl_grad, peer_report, verdict
 

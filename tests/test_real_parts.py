@@ -19,7 +19,7 @@ import torch
 from helpers import REPO
 from transformers import GenerationConfig
 
-from rlhf import real_parts
+from lab import real_parts
 from rlhf.config import load_config
 from rlhf.data import build_prompt, load_gsm8k, tokenize_prompts, write_jsonl
 from rlhf.models import load_tokenizer

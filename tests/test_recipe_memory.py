@@ -1,6 +1,7 @@
 """bench/recipe_memory.py, docs/gpu.md's memory table: its parameter counts are the models', its KV-cache
 formula is the cache's size, and docs/gpu.md shows what it prints."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -9,11 +10,13 @@ import torch
 from helpers import REPO
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-sys.path.insert(0, os.path.join(REPO, "bench"))
-import recipe_memory  # noqa: E402
+from rlhf.config import load_config
+from rlhf.rollout import kv_cache_name
 
-from rlhf.config import load_config  # noqa: E402
-from rlhf.rollout import kv_cache_name  # noqa: E402
+# bench/ holds scripts, not a package: the module is loaded from its file.
+_spec = importlib.util.spec_from_file_location("recipe_memory", os.path.join(REPO, "bench", "recipe_memory.py"))
+recipe_memory = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(recipe_memory)
 
 
 def test_parameter_counts_are_the_models():

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lab import synthetic
-from rlhf.config import ConfigError, SyntheticConfig, load_config
+from rlhf.config import ConfigError, load_config
+from lab.synthetic import SyntheticConfig
 from rlhf.models import load_causal_lm
 from rlhf.rollout import SamplingParams, generate
 from lab.theory import examples
@@ -85,12 +86,11 @@ def test_sampled_responses_follow_the_policy_read_off_the_logits(built, task):
     assert ((counts - pi).abs() <= 5 * (pi * (1 - pi) / num).sqrt() + 1e-12).all()
 
 def test_config_checks_name_the_fix():
-    base = ["model.path=bandit", "data.train_files=bandit", "data.val_files=bandit", "rollout.ignore_eos=true",
+    base = ["task.name=lab.synthetic:bandit", "rollout.ignore_eos=true",
             "data.max_response_length=1", "algorithm.use_kl_in_reward=false"]
     load_config(None, base)
     for change, message in (("data.max_response_length=2", "data.max_response_length=1"),
                             ("rollout.ignore_eos=false", "rollout.ignore_eos=true"),
-                            ("data.val_files=embedded", "data.val_files=bandit"),
                             ("rollout.top_k=3", "rollout.top_k=0"),
                             ("algorithm.use_kl_in_reward=true actor.use_kl_loss=true", "not both"),
                             ("algorithm.use_kl_in_reward=true algorithm.kl_ctrl.type=adaptive", "kl_ctrl.type=fixed"),

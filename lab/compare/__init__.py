@@ -19,7 +19,7 @@ The modules, in the order a comparison uses them:
     figure   the report's figure, <output-dir>/kl_estimators.png
     report   the claims table and the per-run table, <output-dir>/kl_estimators.md, and the figure
     cli      the command line (`python -m lab.compare --help`)
-The names below are theirs, re-exported: `from rlhf import compare; compare.main([...])`.
+The names below are theirs, re-exported: `from lab import compare; compare.main([...])`.
 """
 
 from lab.compare.claims import LAST_STEPS, Claim, claims, claims_table

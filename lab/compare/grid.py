@@ -26,11 +26,11 @@ from typing import NamedTuple
 
 from rlhf.labels import kl_overrides, parse_kl_tag, run_label
 from rlhf.config import load_config
-from rlhf.embedded import cache_entry
+from rlhf.embedded import cache_entry, embedded_options
 from rlhf.tracking import read_metrics
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRAIN_PY = os.path.join(REPO_ROOT, "train.py")
+TRAIN_COMMAND = (sys.executable, "-m", "train")  # the installed trainer (pip install -e .), a fresh process per run
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.yaml")
 # docs/kl.md's comparison: the principled (k1), the GRPO-style (k3) and the exact (full) estimator in the
 # reward; every loss form, including the two that should not regularise (k1) or regularise the wrong
@@ -247,14 +247,14 @@ def job_env(env: dict | None, jobs: int) -> dict | None:
 def warm_start_cached(cfg) -> bool:
     """Whether a run of `cfg` (a Config) finds what it loads already built: its model is not the embedded
     default, or the embedded default's warm start is in its `trainer.cache_dir`."""
-    return cfg.model.path != "embedded" or os.path.isdir(cache_entry(cfg.trainer.cache_dir, cfg.embedded))
+    return cfg.model.path != "embedded" or os.path.isdir(cache_entry(cfg.trainer.cache_dir, embedded_options(cfg)))
 
 
 def _train(config: str, overrides: list[str], directory: str, env: dict | None, title: str = "") -> str:
     """One train.py process, logging to <directory>/train.log; returns "ok" or "failed (exit N)". `title`
     (the run's `[i/n] name`) starts the line that says how it ended."""
     log_path = os.path.join(directory, "train.log")
-    command = [sys.executable, TRAIN_PY, "--config", config, *overrides]
+    command = [*TRAIN_COMMAND, "--config", config, *overrides]
     start = time.perf_counter()
     with open(log_path, "w") as log:
         log.write(" ".join(command) + "\n\n")

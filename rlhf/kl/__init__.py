@@ -36,7 +36,8 @@ enumeration, where each estimator x placement converges, the frameworks' default
 which `python -m lab.theory` prints and which this module never imports.
 
 The code, re-exported here: estimators.py (the sampled estimators, every estimator's name, kl_penalty,
-kl_per_token for any name, needs_logits, kl_panel), exact.py (full_kl), controllers.py (the KL coefficient in
+kl_per_token for any name, parse_estimator: a name parsed once into the KLEstimator the step calls,
+needs_logits, kl_panel), exact.py (full_kl), controllers.py (the KL coefficient in
 the reward).
 """
 
@@ -53,6 +54,7 @@ from rlhf.kl.estimators import (
     FULL,
     PANEL_ESTIMATORS,
     Estimator,
+    KLEstimator,
     canonical,
     check_estimator,
     kl_abs,
@@ -63,6 +65,7 @@ from rlhf.kl.estimators import (
     kl_penalty,
     kl_per_token,
     needs_logits,
+    parse_estimator,
     register_estimator,
     rho_in_graph,
 )

@@ -8,6 +8,8 @@ gives the per-token term for every name. The table of values, biases and gradien
 graph or detached, is the docstring of `rlhf.kl`.
 """
 
+import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -193,6 +195,28 @@ def rho_in_graph(estimator: str) -> bool:
     their aliases) rather than detaching it (k2, abs, every `X+`). Raises like check_estimator."""
     base, plus = _parse(estimator)
     return base in _UNBIASED and not plus
+
+
+@dataclass(frozen=True)
+class KLEstimator:
+    """An estimator name as the step uses it, parsed once (parse_estimator): called like kl_per_token, and
+    `needs_logits` says whether the caller must bring the exact per-token KL (`full`) instead of sampled
+    log-probs alone. `full` is an estimator like the others: the object hides the difference."""
+
+    name: str  # as configured, e.g. "low_var_kl+"
+    needs_logits: bool  # `full`: computed from both models' logits (full_kl), not from sampled log-probs
+
+    def __call__(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, full_kl: torch.Tensor | None = None,
+                 old_logprob: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-token KL term, (B, T) (kl_per_token)."""
+        return kl_per_token(self.name, logprob, ref_logprob, full_kl, old_logprob)
+
+
+@functools.lru_cache(maxsize=None)
+def parse_estimator(name: str) -> KLEstimator:
+    """The KLEstimator of any valid name, `full` included (raises like check_estimator(name, allow_full=True));
+    the config's check parses each configured name, and the step gets the same object back."""
+    return KLEstimator(check_estimator(name, allow_full=True), needs_logits(name))
 
 
 def kl_per_token(
