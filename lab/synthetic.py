@@ -5,7 +5,7 @@
 
 Built like the embedded default (no network, a cache entry, a tiny model), and trained by the same
 `train_step` as GSM8K:
-- `bandit`: one prompt, responses of exactly one token, reward r(token) from a table fixed by `synthetic.seed`.
+- `bandit`: one prompt, responses of exactly one token, reward r(token) from a table fixed by `task.options.seed`.
 - `tree`: responses of exactly two tokens (a, b), reward R(a, b) at the end: docs/kl.md's two-step example
   (`TREE_EXAMPLE`), whose sequence-level and token-level optima differ.
 The vocabulary is small enough to enumerate: the prompt token `<s>` (also EOS and padding, so that every
@@ -30,12 +30,12 @@ import shutil
 import torch
 
 from rlhf import kl
-from rlhf.tasks import Task, TaskData, task_options
+from rlhf.tasks import get_task, task_options
 
-TASKS = ("bandit", "tree")  # the two tasks: task.name lab.synthetic:bandit or lab.synthetic:tree
+TASKS = ("bandit", "tree")  # the two tasks: task.name lab.tasks:bandit or lab.tasks:tree
 @dataclass
 class SyntheticConfig:
-    """The synthetic tasks' options (`task.options` of lab.synthetic:bandit or :tree): a tiny model whose policy can be enumerated."""
+    """The synthetic tasks' options (`task.options` of lab.tasks:bandit or :tree): a tiny model whose policy can be enumerated."""
 
     num_arms: int = 6  # bandit: arm tokens a0 ... (the vocabulary is these and the prompt token <s>, itself an arm); the tree has docs/kl.md's example's three
     seed: int = 2  # bandit: seeds the reward table and the reference's target (2: its forward- and reverse-KL optima at beta = 0.3 lie 0.246 apart in TV)
@@ -49,9 +49,8 @@ class SyntheticConfig:
 
 
 def task_of(cfg) -> str | None:
-    """"bandit" or "tree" for a run of config `cfg` on a synthetic task, None otherwise."""
-    module, _, name = cfg.task.name.partition(":")
-    return name if module == __name__ and name in TASKS else None
+    """"bandit" or "tree" for a run of config `cfg` on a synthetic task (lab.tasks), None otherwise."""
+    return getattr(get_task(cfg.task.name), "synthetic_kind", None)
 
 
 PROMPT_TOKEN = "<s>"
@@ -108,7 +107,7 @@ def _tree_example() -> dict:
 
 
 def num_tokens(task: str, cfg) -> int:
-    """V, the vocabulary: the prompt token and the arms (synthetic.num_arms for the bandit; the tree has the
+    """V, the vocabulary: the prompt token and the arms (task.options.num_arms for the bandit; the tree has the
     three of docs/kl.md's example)."""
     return 1 + (cfg.num_arms if task == "bandit" else len(_tree_example()["ref_first"]))
 
@@ -304,48 +303,3 @@ def table_reward(prompts, completions, completion_ids, rewards, **fields) -> lis
             value = value[token]
         out.append(float(value))
     return out
-
-
-# ----------------------------------------------------------------------------- the tasks the trainer runs
-
-
-class SyntheticTask(Task):
-    """The bandit or the tree as a task of the trainer (`task.name: lab.synthetic:bandit`): it builds its own
-    tokenizer, model (cached under trainer.cache_dir) and prompt rows, carries the reward table as a prompt
-    field, and logs where the run stands against the theory every step (lab.landing)."""
-
-    options = SyntheticConfig
-    prompt_fields = ("ground_truth", "rewards")
-    has_held_out = False
-
-    def __init__(self, kind: str):
-        self.kind, self.name = kind, f"{__name__}:{kind}"
-
-    def check(self, cfg) -> None:
-        check_config(cfg)
-
-    def cache_dir(self, cfg, output_dir: str) -> str:
-        return cfg.trainer.cache_dir or os.path.join(output_dir, "synthetic")
-
-    def load(self, cfg, accelerator) -> TaskData:
-        options = task_options(cfg)
-        with accelerator.main_process_first():
-            model_dir = prepare_synthetic(self.cache_dir(cfg, cfg.trainer.output_dir), self.kind, options,
-                                          log=accelerator.print)
-        tokenizer = load_tokenizer(model_dir)
-        return TaskData(tokenizer, *build_datasets(self.kind, options, tokenizer), model_dir)
-
-    def step_metrics(self, cfg, accelerator, run):
-        from lab.landing import start_landing
-
-        return start_landing(cfg, accelerator, run)
-
-    def base_model(self, cfg, output_dir: str) -> str:
-        return os.path.join(cache_entry(self.cache_dir(cfg, output_dir), self.kind, task_options(cfg)), "model")
-
-    def load_tokenizer(self, path: str):
-        return load_tokenizer(path)
-
-
-bandit = SyntheticTask("bandit")
-tree = SyntheticTask("tree")

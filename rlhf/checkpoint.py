@@ -22,11 +22,15 @@ import re
 import shutil
 import signal
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from rlhf.config import Config, ConfigError
+from rlhf.errors import ConfigError
 from rlhf.tracking import log_filter
+
+if TYPE_CHECKING:  # annotations only
+    from rlhf.config import Config
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 

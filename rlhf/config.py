@@ -148,7 +148,7 @@ class TrainerConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "embedded"  # embedded (GSM8K-shaped problems and a tiny model built here, rlhf/embedded.py) | gsm8k (GSM8K from data.train_files / data.val_files) | <module>:<attribute>, a rlhf.tasks.Task of your own (the lab's: lab.synthetic:bandit, lab.synthetic:tree)
+    name: str = "embedded"  # embedded (GSM8K-shaped problems and a tiny model built here, rlhf/embedded.py) | gsm8k (GSM8K from data.train_files / data.val_files) | <module>:<attribute>, a rlhf.tasks.Task of your own (the lab's: lab.tasks:bandit, lab.tasks:tree)
     options: dict = field(default_factory=dict)  # the task's own options, checked against its options dataclass (the embedded default's: docs/config.md#task-options)
 
 

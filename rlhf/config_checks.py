@@ -36,7 +36,8 @@ def _divides(small_key: str, small: int, big_key: str, big: int) -> None:
 
 def validate(cfg, num_processes: int = 1) -> None:
     """Check values (not just types). Raises ConfigError before anything expensive happens."""
-    from rlhf import core_algos, kl  # local import: keeps `rlhf.config` importable on its own
+    from rlhf import core_algos  # local imports: keep `rlhf.config` importable on its own
+    from rlhf.kl import controllers, estimators
     from rlhf.data import looks_like_path
     from rlhf.models import DTYPE_NAMES
     from rlhf.tasks import get_task, task_options
@@ -99,10 +100,10 @@ def validate(cfg, num_processes: int = 1) -> None:
                           f"got {cfg.reward.correct_threshold!r}.")
     checked("actor.loss_agg_mode", core_algos.check_loss_agg_mode, ac.loss_agg_mode)
     checked("algorithm.adv_estimator", core_algos.check_adv_estimator, a.adv_estimator)
-    checked("algorithm.kl_penalty", kl.parse_estimator, a.kl_penalty)  # parsed once: the step gets the object back
-    checked("actor.kl_loss_type", kl.parse_estimator, ac.kl_loss_type)
+    checked("algorithm.kl_penalty", estimators.parse_estimator, a.kl_penalty)  # parsed once: the step gets the object back
+    checked("actor.kl_loss_type", estimators.parse_estimator, ac.kl_loss_type)
     kc = a.kl_ctrl
-    checked("algorithm.kl_ctrl", kl.check_kl_ctrl, kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
+    checked("algorithm.kl_ctrl", controllers.check_kl_ctrl, kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
 
     # Batch arithmetic: global batch (prompts) -> per-process shares -> mini-batches (prompts, each with its
     # rollout.n responses) -> micro-batches (responses).
@@ -118,7 +119,7 @@ def validate(cfg, num_processes: int = 1) -> None:
     checked(f"task.name={cfg.task.name}", task.check, cfg)
     from rlhf.rewards import load_reward
 
-    load_reward(cfg)  # imports reward.function and checks that it takes the trainer's keyword call
+    load_reward(cfg, task.prompt_fields)  # imports reward.function and checks that it takes the trainer's keyword call
     if t.resume_from not in (None, "auto") and not os.path.isdir(t.resume_from):
         raise ConfigError(f"trainer.resume_from={t.resume_from!r} is not a directory (use a checkpoint dir or 'auto').")
     for key, path in (("model.path", m.path), ("model.critic_path", m.critic_path)):
@@ -130,7 +131,7 @@ def validate(cfg, num_processes: int = 1) -> None:
 
 def warnings_for(cfg) -> list[str]:
     """Legal settings that are almost certainly a mistake; printed once at start."""
-    from rlhf import kl
+    from rlhf.kl import estimators as kl
 
     out = []
     a, ac, r = cfg.algorithm, cfg.actor, cfg.rollout

@@ -24,6 +24,11 @@ LOGITS_CHUNK_ROWS = 1024
 # ---------------------------------------------------------------------------------------- Masked reductions
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 (and ints) -> float32; float32/float64 unchanged."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Sum of `x` over the positions where `mask` is set; over all dims if `dim` is None.
 

@@ -189,7 +189,8 @@ def prepare_eval_run(cfg: Config, accelerator, tokenizer, val_source: str, flag:
         raise ConfigError(f"{flag}: {dropped} of {len(val_set) + dropped} held-out prompts are longer than "
                           f"data.max_prompt_length={cfg.data.max_prompt_length} in this model's tokens; raise "
                           "data.max_prompt_length so that every problem is evaluated.")
-    return EvalRun(tokenizer, val_set, load_reward(cfg), get_task(cfg.task.name).val_metrics(cfg, val_set))
+    task = get_task(cfg.task.name)
+    return EvalRun(tokenizer, val_set, load_reward(cfg, task.prompt_fields), task.val_metrics(cfg, val_set))
 
 
 def load_actor(cfg: Config, accelerator, run: EvalRun, model: str) -> None:

@@ -13,8 +13,12 @@ run: parse_kl_tag and kl_overrides, which the grid uses. A label names each plac
 
 from __future__ import annotations
 
-from rlhf.config import Config
+from typing import TYPE_CHECKING
+
 from rlhf.kl import check_estimator
+
+if TYPE_CHECKING:  # annotations only
+    from rlhf.config import Config
 
 PLACEMENTS = ("reward", "loss", "loss-corrected")
 

@@ -20,11 +20,15 @@ tensor over processes; the default is one process.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from rlhf import core_algos, kl
-from rlhf.config import ActorConfig, AlgorithmConfig, Config
 from rlhf.processes import ReduceSum, one_process
+
+if TYPE_CHECKING:  # annotations only
+    from rlhf.config import ActorConfig, AlgorithmConfig, Config
 
 
 def repeat_prompts(rows: dict[str, list], n: int) -> tuple[dict[str, list], torch.Tensor]:

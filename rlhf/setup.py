@@ -84,7 +84,7 @@ def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val
     kc = cfg.algorithm.kl_ctrl
     return Setup(tokenizer, train_set, val_set, (actor, critic, ref), (actor_opt, critic_opt),
                  PromptSampler(len(train_set), cfg.data.train_batch_size, cfg.trainer.seed),
-                 kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), load_reward(cfg),
+                 kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), load_reward(cfg, get_task(cfg.task.name).prompt_fields),
                  build_lr_schedulers(cfg, actor_opt, critic_opt))
 
 

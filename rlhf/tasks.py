@@ -1,6 +1,6 @@
 """Tasks: where a run's problems, model, held-out metrics and per-step metrics come from.
 
-    task = get_task(cfg.task.name)       # "embedded", "gsm8k", or "<module>:<attribute>" (lab.synthetic:bandit)
+    task = get_task(cfg.task.name)       # "embedded", "gsm8k", or "<module>:<attribute>" (lab.tasks:bandit)
     task.check(cfg)                      # by rlhf.config.validate, before anything loads (ValueError)
     data = task.load(cfg, accelerator)   # TaskData: tokenizer, train and held-out prompt rows, model path
 
@@ -141,7 +141,7 @@ def get_task(name: str) -> Task:
     the valid choices) for anything else."""
     if name in BUILT_IN:
         return BUILT_IN[name]
-    choices = f"valid: {', '.join(BUILT_IN)}, or '<module>:<attribute>' naming a rlhf.tasks.Task (lab.synthetic:bandit)"
+    choices = f"valid: {', '.join(BUILT_IN)}, or '<module>:<attribute>' naming a rlhf.tasks.Task (lab.tasks:bandit)"
     module_name, sep, attribute = name.partition(":")
     if not sep or not module_name or not attribute:
         raise ValueError(f"unknown task {name!r}; {choices}")

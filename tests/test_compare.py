@@ -722,7 +722,7 @@ def test_runner_drives_train_py_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     tiny = EmbeddedConfig(num_train=32, num_val=8, hidden_size=32, intermediate_size=64, num_layers=1,
                           num_heads=2, num_kv_heads=1, sft_steps=2, sft_batch_size=8)
-    embedded = [f"embedded.{k}={v}" for k, v in vars(tiny).items()]
+    embedded = [f"task.options.{k}={v}" for k, v in vars(tiny).items()]
     out = tmp_path / "cmp"
     code = compare.main(["--runs", "no-kl", "loss:k3+", "--steps", "1", "--output-dir", str(out),
                          "--cache-dir", str(tmp_path / "cache"), "--no-wandb", *embedded,

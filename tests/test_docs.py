@@ -62,7 +62,7 @@ def test_text_speaks_of_the_project_not_its_history(page):
 
 def test_readme_is_a_front_door():
     with open(os.path.join(REPO, "README.md")) as f:
-        assert len(f.read().splitlines()) <= 200
+        assert len(f.read().splitlines()) <= 130  # about 120 lines: what it is, two commands, the KL table, three doors
 
 
 # ----------------------------------------------------------------------------- one place for each fact

@@ -69,7 +69,7 @@ def test_reader_text_speaks_of_the_project():
 
 def test_notebook_imports_rlhf_instead_of_copying_it():
     source = "\n".join(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code")
-    for use in ("from rlhf import compare, kl, theory", "kl.kl_penalty(", "theory.expected_loss_grad",
+    for use in ("from lab import compare, theory", "from rlhf import kl", "kl.kl_penalty(", "theory.expected_loss_grad",
                 "kl.full_kl(", "compare.main(", "AutoModelForCausalLM.from_pretrained(", "evaluate_models(",
                 "kl_binding_curves.json"):
         assert use in source, use

@@ -86,7 +86,7 @@ def test_sampled_responses_follow_the_policy_read_off_the_logits(built, task):
     assert ((counts - pi).abs() <= 5 * (pi * (1 - pi) / num).sqrt() + 1e-12).all()
 
 def test_config_checks_name_the_fix():
-    base = ["task.name=lab.synthetic:bandit", "rollout.ignore_eos=true",
+    base = ["task.name=lab.tasks:bandit", "rollout.ignore_eos=true",
             "data.max_response_length=1", "algorithm.use_kl_in_reward=false"]
     load_config(None, base)
     for change, message in (("data.max_response_length=2", "data.max_response_length=1"),

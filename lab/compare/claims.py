@@ -22,9 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from lab.compare.runs import Group, Run
 from rlhf.stats import MAX_SEEDS_ESTIMATE, Estimate, excludes_zero, paired_differences, seeds_needed
+
+if TYPE_CHECKING:  # annotations only
+    from lab.compare.runs import Group, Run
 
 LAST_STEPS = 5  # each seed's KL: the mean over its last 5 steps
 REVERSE, FORWARD = "kl/full", "kl/full_forward"  # exact KL(pi || ref) and KL(ref || pi), nats per token

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 import textwrap
+from typing import TYPE_CHECKING
 
 from lab.compare.claims import FORWARD, LAST_STEPS, REFERENCE, REVERSE, Claim
 from rlhf.labels import legend_name
-from lab.compare.runs import Group, Run
 from rlhf.stats import Estimate
 from rlhf.kl import PANEL_ESTIMATORS, canonical
+
+if TYPE_CHECKING:  # annotations only
+    from lab.compare.runs import Group, Run
 
 # Colour = estimator (the same in both placements), line style = placement.
 _COLOURS = {"k1": "tab:blue", "k2": "tab:orange", "k3": "tab:green", "k3+": "tab:red", "full": "tab:purple",

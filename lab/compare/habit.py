@@ -14,10 +14,13 @@ forward KL's order next to it.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from lab.compare.claims import FORWARD, Claim, difference_claim
-from lab.compare.runs import Group, Run
 from rlhf.stats import Estimate
+
+if TYPE_CHECKING:  # annotations only
+    from lab.compare.runs import Group, Run
 
 HABIT = "val/habit_rate"  # sampled at the rollout temperature (trainer.val_samples responses per problem)
 SAMPLED_ACCURACY = "val/pass@1"  # the sampled responses' accuracy

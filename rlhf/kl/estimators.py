@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from rlhf.core_algos import masked_mean
+from rlhf.core_algos import masked_mean, upcast
 from rlhf.registry import Registry, unknown_name_error
 
 Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -149,11 +149,6 @@ def canonical(name: str) -> str:
         return name
     base, plus = _parse(name)
     return next(n for n in _ESTIMATORS if _ESTIMATORS[n] is base) + ("+" if plus else "")
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """bf16/fp16 (and ints) -> float32; float32/float64 unchanged."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def kl_penalty(

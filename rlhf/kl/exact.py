@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from rlhf.kl.estimators import upcast
+from rlhf.core_algos import upcast
 
 
 class _FullKL(torch.autograd.Function):

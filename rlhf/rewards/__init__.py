@@ -88,21 +88,14 @@ class RewardFn:
         return [extract(text, **self.kwargs) for text in completions]
 
 
-def prompt_fields(cfg) -> tuple[str, ...]:
-    """The columns the prompt rows of `cfg`'s task carry besides input_ids (rlhf.tasks.Task.prompt_fields):
-    PROMPT_FIELDS for GSM8K's data."""
-    from rlhf.tasks import get_task
-
-    return get_task(cfg.task.name).prompt_fields
-
-
-def load_reward(cfg) -> RewardFn:
+def load_reward(cfg, prompt_fields: Sequence[str] = PROMPT_FIELDS) -> RewardFn:
     """The reward of config `cfg` (its `reward` section; data.reward_method for GSM8K's rule), imported and
-    checked against the prompt rows' fields. Raises ConfigError."""
+    checked against the prompt rows' fields (the task's, rlhf.tasks.Task.prompt_fields; GSM8K's by default).
+    Raises ConfigError."""
     name = cfg.reward.function
     fn = import_reward(name)
     kwargs = {"method": cfg.data.reward_method} if name == GSM8K_REWARD else {}
-    check_signature(fn, name, dict.fromkeys(prompt_fields(cfg)), kwargs)
+    check_signature(fn, name, dict.fromkeys(prompt_fields), kwargs)
     return RewardFn(fn, name, kwargs, cfg.reward.correct_threshold)
 
 
