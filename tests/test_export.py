@@ -372,3 +372,20 @@ def test_a_two_process_fsdp2_export_equals_the_one_process_one(artifacts, tmp_pa
     moved = max((gathered[k] - base[k]).abs().max().item() for k in base)
     print(f"2 processes against 1: largest difference {noise:.1e}; training moved the weights by up to {moved:.1e}")
     assert noise <= 1e-5 and moved > 1e-3
+
+
+def test_tied_weights_that_hold_different_values_are_refused(artifacts):
+    """A state whose embedding and lm_head differ cannot be exported as the tied model its config names: the
+    export refuses it instead of keeping one of the two silently (and it takes the state where they agree)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(artifacts.model_dir)
+    assert config.tie_word_embeddings  # the embedded default's model ties them
+    model = AutoModelForCausalLM.from_pretrained(artifacts.model_dir)
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    rebuilt = export.rebuild(AutoModelForCausalLM, config, state, torch.float32)
+    assert rebuilt.get_output_embeddings().weight is rebuilt.get_input_embeddings().weight
+    state["lm_head.weight"][0, 0] += 1.0
+    with pytest.raises(export.ExportError, match="tied in the model's config but hold different values"):
+        export.rebuild(AutoModelForCausalLM, config, state, torch.float32)
