@@ -310,15 +310,15 @@ def main(cfg: Config) -> dict[str, float]:
 
     total = cfg.trainer.total_steps
     metrics: dict[str, float] = {}
-    if state.step == 0:
-        metrics = evaluation.evaluate(cfg, accelerator, run, step=0)
-        if task_metrics:
-            metrics.update(task_metrics.metrics(accelerator.unwrap_model(run.models[0])))
-        logger.log(metrics, step=0)
-        accelerator.print(eval_line(0, metrics))
-    progress = tqdm(range(state.step + 1, total + 1), desc="ppo", initial=state.step, total=total,
-                    disable=not accelerator.is_local_main_process)
     try:
+        if state.step == 0:
+            metrics = evaluation.evaluate(cfg, accelerator, run, step=0)
+            if task_metrics:
+                metrics.update(task_metrics.metrics(accelerator.unwrap_model(run.models[0])))
+            logger.log(metrics, step=0)
+            accelerator.print(eval_line(0, metrics))
+        progress = tqdm(range(state.step + 1, total + 1), desc="ppo", initial=state.step, total=total,
+                        disable=not accelerator.is_local_main_process)
         with StopOnSignal() as stop:
             for step in progress:
                 timer = Timer()
@@ -349,14 +349,14 @@ def main(cfg: Config) -> dict[str, float]:
                                           f"Resume with:\n  python train.py ... trainer.output_dir={out_dir} "
                                           "trainer.resume_from=auto")
                         break
+        if task_metrics and accelerator.is_main_process:
+            task_metrics.finish(out_dir, accelerator.unwrap_model(run.models[0]))
+        export.save_model(accelerator, run, cfg, export.model_dir(out_dir))  # the user's model (rlhf/export.py)
+        if accelerator.is_main_process:
+            rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+            print(run_summary(rows, time.perf_counter() - started, outputs(cfg, logger.wandb_where)), flush=True)
     finally:
-        logger.finish()
-    if task_metrics and accelerator.is_main_process:
-        task_metrics.finish(out_dir, accelerator.unwrap_model(run.models[0]))
-    export.save_model(accelerator, run, cfg, export.model_dir(out_dir))  # the user's model (rlhf/export.py)
-    if accelerator.is_main_process:
-        rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
-        print(run_summary(rows, time.perf_counter() - started, outputs(cfg, logger.wandb_where)), flush=True)
+        logger.finish()  # every process, after the last collective (the export's)
     return metrics
 
 

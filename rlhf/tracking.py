@@ -133,12 +133,12 @@ class MetricsLogger:
                 self.use_wandb = False
 
     def finish(self) -> None:
-        """End the wandb run, if there is one."""
-        if self.use_wandb and self.accelerator.is_main_process:
-            try:
-                self.accelerator.end_training()
-            except Exception as e:
-                warnings.warn(f"wandb did not close cleanly ({type(e).__name__}: {e}).")
+        """End the wandb run (main process) and the processes' group (accelerator.end_training): call it on
+        every process, after their last collective operation."""
+        try:
+            self.accelerator.end_training()
+        except Exception as e:
+            warnings.warn(f"the run did not close cleanly ({type(e).__name__}: {e}).")
 
 
 # ----------------------------------------------------------------------------- what a run prints
