@@ -42,20 +42,23 @@ from rlhf.labels import kl_tags
 from rlhf.config import Config, ConfigError, load_config, to_dict, validate, warnings_for
 from rlhf.processes import (backward, gradient_sync, launch_warnings, mean_over_processes, optimizer_steps,
                             process_share, stop_rule, sum_over_processes, token_weighted_means)
-from rlhf.rollout import (SamplingParams, generate, is_stop_token, left_pad, logprobs_and_logits,
+from rlhf.rollout import (SamplingParams, cut_responses, generate, left_pad, logprobs_and_logits,
                           paired_noise_generator, response_values, slice_batch, stop_token_ids)
+from rlhf.samples import SAMPLES_FILE, sample_rows
 from rlhf.setup import Setup, setup, shard_on_cpu
 from rlhf.tasks import get_task
-from rlhf.tracking import (MetricsLogger, Timer, eval_line, read_metrics, run_summary, truncate_metrics,
+from rlhf.tracking import (MetricsLogger, Symptoms, Timer, eval_line, read_metrics, run_summary, truncate_metrics,
                            wandb_available)
 
 
 # ----------------------------------------------------------------------------- one PPO step
 
 
-def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) -> tuple[dict[str, float], int, float]:
-    """One PPO step on this process's share of the global batch.
-    Returns (metrics averaged over processes, skipped optimizer updates, tokens processed by all processes)."""
+def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer,
+               samples: list | None = None) -> tuple[dict[str, float], int, float]:
+    """One PPO step on this process's share of the global batch; given a list `samples`, adds the batch's first
+    trainer.log_samples responses as rows (rlhf.samples). Returns (metrics averaged over processes, skipped
+    optimizer updates, tokens processed by all processes)."""
     prompts = run.train_set[process_share(run.sampler.next_batch(), accelerator.process_index,
                                           accelerator.num_processes)]
     rows, group_ids = ppo.repeat_prompts(prompts, cfg.rollout.n)  # each prompt's group of rollout.n responses
@@ -63,7 +66,10 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
              if cfg.rollout.paired_noise else None)  # same-seed runs draw the same sampling noise (common random numbers)
     batch = rollout(cfg, accelerator, run.models, run.tokenizer, rows, timer, noise)
     with timer("reward"):
-        batch["scores"] = rewards.score_responses(run.reward, run.tokenizer, batch, rows)
+        batch.update(rewards.score_batch(run.reward, run.tokenizer, batch, rows))  # scores, and any reward/<part>
+    stop_ids = stop_token_ids(accelerator.unwrap_model(run.models[0]), run.tokenizer)
+    if samples is not None:
+        samples += sample_rows(run.tokenizer, batch, rows, stop_ids, cfg.trainer.log_samples)
     batch["group_ids"] = group_ids.to(accelerator.device)
     metrics, skipped = update(cfg, accelerator, run.models, run.optimizers, batch, run.kl_ctrl, step, timer)
     # The lr this step's updates used; then one step of each schedule: once per PPO step, as verl.
@@ -71,7 +77,6 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer) ->
         if scheduler is not None:
             metrics[f"{name}/lr"] = scheduler.get_last_lr()[0]
             scheduler.step()
-    stop_ids = stop_token_ids(accelerator.unwrap_model(run.models[0]), run.tokenizer)
     metrics.update(batch_metrics(cfg, accelerator, batch, stop_ids))
     num_tokens = accelerator.reduce(batch["attention_mask"].sum().float(), "sum").item()
     return metrics, skipped, num_tokens
@@ -233,7 +238,7 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_ids: int | tuple[in
     panel and the mismatch KL over all their tokens)."""
     mask, reduce_sum = batch["response_mask"], sum_over_processes(accelerator)
     lengths = mask.sum(dim=1)
-    clipped = (lengths == mask.shape[1]) & ~is_stop_token(batch["response_ids"][:, -1], eos_token_ids)
+    clipped = cut_responses(batch, eos_token_ids)
     local = {
         "critic/score/mean": batch["scores"].mean(),
         "critic/rewards/mean": core_algos.masked_sum(batch["token_rewards"], mask, dim=1).mean(),
@@ -245,6 +250,8 @@ def batch_metrics(cfg: Config, accelerator, batch, eos_token_ids: int | tuple[in
     }
     if "values" in batch:
         local["critic/vf_explained_var"] = core_algos.explained_variance(batch["values"], batch["returns"], mask)
+    for key in (k for k in batch if k.startswith("reward/")):  # the parts of a reward of several (reward.functions)
+        local[f"{key}/mean"] = batch[key].mean()
     if cfg.rollout.n > 1:
         local["critic/groups_with_equal_scores"] = ppo.groups_with_equal_scores(batch["scores"], batch["group_ids"])
     metrics = mean_over_processes(accelerator, local)
@@ -293,8 +300,9 @@ def main(cfg: Config) -> dict[str, float]:
         run.sampler.load_state_dict(state.sampler)
         run.kl_ctrl.load_state_dict(state.kl_ctrl)
         accelerator.print(f"resumed from {resume_dir} at step {state.step}")
-    if accelerator.is_main_process:  # keep the rows up to the checkpoint; a fresh run starts a new file
-        truncate_metrics(os.path.join(out_dir, "metrics.jsonl"), state.step if resume_dir else -1)
+    if accelerator.is_main_process:  # keep the rows up to the checkpoint; a fresh run starts new files
+        for name in ("metrics.jsonl", SAMPLES_FILE):
+            truncate_metrics(os.path.join(out_dir, name), state.step if resume_dir else -1)
     logger = MetricsLogger(accelerator, out_dir, use_wandb=bool(accelerator.log_with))
     logger.start(cfg.trainer.project_name, to_dict(cfg), cfg.trainer.experiment_name, cfg.trainer.group,
                  kl_tags(cfg), out_dir, resume_run_id=state.wandb_run_id)
@@ -308,26 +316,31 @@ def main(cfg: Config) -> dict[str, float]:
             export.save_model(accelerator, run, cfg, export.model_dir(path))
         return path
 
-    total = cfg.trainer.total_steps
+    total, symptoms = cfg.trainer.total_steps, Symptoms()
     metrics: dict[str, float] = {}
-    if state.step == 0:
-        metrics = evaluation.evaluate(cfg, accelerator, run, step=0)
-        if task_metrics:
-            metrics.update(task_metrics.metrics(accelerator.unwrap_model(run.models[0])))
-        logger.log(metrics, step=0)
-        accelerator.print(eval_line(0, metrics))
-    progress = tqdm(range(state.step + 1, total + 1), desc="ppo", initial=state.step, total=total,
-                    disable=not accelerator.is_local_main_process)
     try:
+        if state.step == 0:
+            val_samples = samples_list(cfg)
+            metrics = evaluation.evaluate(cfg, accelerator, run, step=0, samples=val_samples)
+            if task_metrics:
+                metrics.update(task_metrics.metrics(accelerator.unwrap_model(run.models[0])))
+            logger.log(metrics, step=0)
+            logger.log_samples("val", val_samples, step=0)
+            accelerator.print(eval_line(0, metrics))
+            warn(accelerator, symptoms.check(0, metrics))
+        progress = tqdm(range(state.step + 1, total + 1), desc="ppo", initial=state.step, total=total,
+                        disable=not accelerator.is_local_main_process)
         with StopOnSignal() as stop:
             for step in progress:
                 timer = Timer()
+                train_samples, val_samples = samples_list(cfg, step), None
                 with timer("step"):
-                    metrics, skipped, num_tokens = train_step(cfg, accelerator, run, step, timer)
+                    metrics, skipped, num_tokens = train_step(cfg, accelerator, run, step, timer, train_samples)
                     state.bad_steps = state.bad_steps + 1 if skipped else 0
                     if ppo.should_evaluate(step, total, cfg.trainer.test_freq):
                         with timer("testing"):
-                            metrics.update(evaluation.evaluate(cfg, accelerator, run, step))
+                            val_samples = samples_list(cfg)
+                            metrics.update(evaluation.evaluate(cfg, accelerator, run, step, val_samples))
                 metrics.update(timer.metrics())
                 if task_metrics:
                     metrics.update(task_metrics.metrics(accelerator.unwrap_model(run.models[0])))
@@ -336,6 +349,9 @@ def main(cfg: Config) -> dict[str, float]:
                 if torch.accelerator.is_available():  # verl's name; the peak of this process's device so far
                     metrics["perf/max_memory_allocated_gb"] = torch.accelerator.max_memory_allocated() / 2**30
                 logger.log(metrics, step=step)
+                logger.log_samples("train", train_samples, step)
+                logger.log_samples("val", val_samples, step)
+                warn(accelerator, symptoms.check(step, metrics))
                 progress.set_postfix(score=f"{metrics['critic/score/mean']:.2f}", kl=f"{metrics.get('kl/full', 0):.4f}")
                 if "val/accuracy" in metrics and accelerator.is_main_process:  # above the bar, which stays
                     progress.write(eval_line(step, metrics))
@@ -349,15 +365,28 @@ def main(cfg: Config) -> dict[str, float]:
                                           f"Resume with:\n  python train.py ... trainer.output_dir={out_dir} "
                                           "trainer.resume_from=auto")
                         break
+        if task_metrics and accelerator.is_main_process:
+            task_metrics.finish(out_dir, accelerator.unwrap_model(run.models[0]))
+        export.save_model(accelerator, run, cfg, export.model_dir(out_dir))  # the user's model (rlhf/export.py)
+        if accelerator.is_main_process:
+            rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+            print(run_summary(rows, time.perf_counter() - started, outputs(cfg, logger.wandb_where)), flush=True)
     finally:
-        logger.finish()
-    if task_metrics and accelerator.is_main_process:
-        task_metrics.finish(out_dir, accelerator.unwrap_model(run.models[0]))
-    export.save_model(accelerator, run, cfg, export.model_dir(out_dir))  # the user's model (rlhf/export.py)
-    if accelerator.is_main_process:
-        rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
-        print(run_summary(rows, time.perf_counter() - started, outputs(cfg, logger.wandb_where)), flush=True)
+        logger.finish()  # every process, after the last collective (the export's)
     return metrics
+
+
+def samples_list(cfg: Config, step: int | None = None) -> list | None:
+    """A list to collect samples into (rlhf.samples) at an evaluation (`step` None) or at training step `step`
+    (every trainer.log_samples_freq steps); None where none are logged."""
+    freq = cfg.trainer.log_samples_freq
+    wanted = cfg.trainer.log_samples and (step is None or (freq and step % freq == 0))
+    return [] if wanted else None
+
+
+def warn(accelerator, messages: list[str]) -> None:
+    for message in messages:
+        accelerator.print(f"warning: {message}")
 
 
 def outputs(cfg: Config, wandb_where: str) -> dict[str, str]:
@@ -367,6 +396,8 @@ def outputs(cfg: Config, wandb_where: str) -> dict[str, str]:
     found = {"metrics": os.path.join(out_dir, "metrics.jsonl"), "wandb": wandb_where,
              "checkpoint": f"{latest_checkpoint(out_dir)} (resume: add trainer.resume_from=auto)",
              "model": f"{model} (transformers' from_pretrained)"}
+    if cfg.trainer.log_samples:
+        found["samples"] = os.path.join(out_dir, SAMPLES_FILE)
     task = get_task(cfg.task.name)
     if task.has_held_out:
         found["evaluate"] = (f"python -m rlhf.evaluate --model {model} --baseline {task.base_model(cfg, out_dir)} "

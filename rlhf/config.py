@@ -27,6 +27,9 @@ from rlhf.config_checks import validate, warnings_for  # noqa: F401  (re-exporte
 from rlhf.errors import ConfigError  # noqa: F401  (raised here, and imported from here by the rest)
 from rlhf.schema import _build, _check_key, _coerce
 
+# The instruction verl's GSM8K preprocessing appends to each question, so "####" marks the final answer: the
+# default data.instruction (rlhf.data.build_prompt).
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
 @dataclass
@@ -45,6 +48,10 @@ class DataConfig:
     subset: str = "main"  # hub config name (GSM8K has "main" and "socratic")
     train_split: str = "train"  # split name for hub datasets (a local file is the whole split)
     val_split: str = "test"  # held-out split name for hub datasets
+    question_key: str = "question"  # the data's column holding the question (a local file's or a hub dataset's)
+    answer_key: str = "answer"  # the data's column holding the answer, ending in "#### <number>" (the reference)
+    instruction: str = INSTRUCTION  # appended to each question after a space (rlhf.data.INSTRUCTION, verl's GSM8K instruction); "" = the question alone
+    system_prompt: str | None = None  # a system turn before the question (in the chat template; plain-text prompts: before it, then a blank line); None = none
     max_val_samples: int | None = None  # evaluate on the first N held-out problems (None = all)
     max_prompt_length: int = 256  # longer prompts are filtered (and counted), never cut
     max_response_length: int = 256  # generation stops at EOS or here
@@ -56,6 +63,8 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     function: str = "rlhf.rewards.gsm8k:reward_func"  # <module>:<callable> that scores the responses: fn(prompts=, completions=, completion_ids=, **fields) -> one number per response (TRL's reward_funcs convention, docs/training.md#rewards); the default is GSM8K's rule
+    functions: list[str] = field(default_factory=list)  # several reward functions (<module>:<callable> each) in place of reward.function, TRL's reward_funcs: the score is their sum weighted by reward.weights, each part logged as reward/<name>/mean (<name>: the callable's name); the first one judges correctness (val/accuracy, reward.correct_threshold), the others only shape the reward (docs/training.md#rewards); [] = reward.function alone
+    weights: list[float] = field(default_factory=list)  # one weight per entry of reward.functions (TRL's reward_weights); [] = 1.0 each
     correct_threshold: float = 1.0  # a held-out response counts as right (val/accuracy, val/pass@k, val/maj@n) when its score is at least this; GSM8K's rule scores 1 or 0
 
 
@@ -135,6 +144,8 @@ class TrainerConfig:
     logger: str = "wandb"  # wandb | none. wandb runs offline when there are no credentials
     test_freq: int = 10  # greedy evaluation every N steps (also at step 0 and at the end); 0 = only those
     val_samples: int = 0  # n > 0: also n responses per held-out problem at the rollout temperature, for val/pass@k and val/maj@n (n times the evaluation's cost); 0 = off
+    log_samples: int = 8  # responses shown at each evaluation (the first greedy held-out ones) and every log_samples_freq steps (the training batch's first): prompt, response, reward and its parts, correct, length, cut; a wandb table (samples/val, samples/train) and <output_dir>/samples.jsonl, from the main process; 0 = off
+    log_samples_freq: int = 10  # the training batch's samples every N steps; 0 = only the evaluations'
     save_freq: int = 0  # checkpoint every N steps (always at the end); 0 = only at the end
     max_ckpt_to_keep: int = 2  # older checkpoints are deleted
     save_model_with_checkpoints: bool = False  # also write a Hugging Face model directory (model/) inside each checkpoint; <output_dir>/model/ is written at the end of every run

@@ -79,7 +79,8 @@ def validate(cfg, num_processes: int = 1) -> None:
                 "actor.lr", "critic.lr", "actor.clip_ratio", "actor.grad_clip", "critic.grad_clip"):
         section, name = key.split(".")
         _positive(key, getattr(getattr(cfg, section), name))
-    for key in ("trainer.test_freq", "trainer.save_freq", "trainer.val_samples", "rollout.top_k", "actor.entropy_coeff",
+    for key in ("trainer.test_freq", "trainer.save_freq", "trainer.val_samples", "trainer.log_samples",
+                "trainer.log_samples_freq", "rollout.top_k", "actor.entropy_coeff",
                 "actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", "critic.cliprange_value",
                 "actor.weight_decay", "critic.weight_decay"):
         *path, name = key.split(".")

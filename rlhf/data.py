@@ -18,24 +18,26 @@ from collections.abc import Iterable, Sequence
 
 import datasets
 
+from rlhf.config import INSTRUCTION  # the default data.instruction
 from rlhf.rewards.gsm8k import extract_ground_truth
 
-# The instruction verl's GSM8K preprocessing appends to each question, so "####" marks the final answer.
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
 _MAX_NAMED = 5  # bad rows named in an error message; the count is always given
 
 
-def build_prompt(tokenizer, question: str) -> str:
-    """The prompt text for one question: `question + " " + INSTRUCTION`, wrapped in the tokenizer's chat
-    template as a user turn followed by the assistant header, or plain text if it has no template."""
-    content = f"{question} {INSTRUCTION}"
+def build_prompt(tokenizer, question: str, instruction: str = INSTRUCTION, system_prompt: str | None = None) -> str:
+    """The prompt text for one question: `question + " " + instruction` (the question alone for an empty
+    instruction), wrapped in the tokenizer's chat template as a user turn (after a system turn `system_prompt`,
+    if given) followed by the assistant header; plain text if it has no template (the system prompt, a blank
+    line, then the question)."""
+    content = f"{question} {instruction}" if instruction else question
+    system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            [*system, {"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
-    return content
+    return content if system_prompt is None else f"{system_prompt}\n\n{content}"
 
 
 def looks_like_path(source: str) -> bool:
@@ -65,19 +67,20 @@ def _bad_rows(questions: Iterable, answers: Iterable) -> list[int]:
     return bad
 
 
-def _check_columns(columns: Iterable[str], where: str) -> None:
-    missing = [c for c in ("question", "answer") if c not in columns]
+def _check_columns(columns: Iterable[str], where: str, keys: tuple[str, str] = ("question", "answer")) -> None:
+    missing = [c for c in keys if c not in columns]
     if missing:
-        raise ValueError(f"{where}: missing column(s) {missing}; GSM8K rows need 'question' and 'answer' "
-                         f"(found {sorted(columns)}).")
+        raise ValueError(f"{where}: missing column(s) {missing}; the rows need a question column and an answer "
+                         f"column ending in \"#### <number>\" (data.question_key={keys[0]!r}, data.answer_key="
+                         f"{keys[1]!r}); the file has the columns {sorted(columns)}.")
 
 
-def check_data_file(path: str) -> int:
+def check_data_file(path: str, keys: tuple[str, str] = ("question", "answer")) -> int:
     """Cheap validation of a local GSM8K file before any model loads; returns its number of rows.
 
     Raises ValueError if the file is missing, has an unsupported extension, holds invalid JSON (the line
-    number is given for JSON lines), lacks the `question`/`answer` columns, or has rows without a
-    parseable `#### N` answer (the first bad row indices are given).
+    number is given for JSON lines), lacks the question and answer columns `keys` (data.question_key,
+    data.answer_key), or has rows without a parseable `#### N` answer (the first bad row indices are given).
     """
     if os.path.isdir(path):
         raise ValueError(f"data file {path!r} is a directory; give a {'/'.join(SUPPORTED_EXTENSIONS)} file.")
@@ -91,18 +94,18 @@ def check_data_file(path: str) -> int:
         import pyarrow.parquet as pq  # a dependency of `datasets`
 
         table = pq.read_table(path)
-        _check_columns(table.column_names, f"data file {path!r}")
-        rows = table.select(["question", "answer"]).to_pydict()
-        questions, answers = rows["question"], rows["answer"]
+        _check_columns(table.column_names, f"data file {path!r}", keys)
+        rows = table.select(list(keys)).to_pydict()
+        questions, answers = rows[keys[0]], rows[keys[1]]
     else:
         records = _read_json_records(path)
         for i, record in enumerate(records):
             if not isinstance(record, dict):
                 raise ValueError(f"data file {path!r}: row {i} is a {type(record).__name__}, not an object "
                                  "with 'question' and 'answer'.")
-        _check_columns(set().union(*records) if records else (), f"data file {path!r}")
-        questions = [r.get("question") for r in records]
-        answers = [r.get("answer") for r in records]
+        _check_columns(set().union(*records) if records else (), f"data file {path!r}", keys)
+        questions = [r.get(keys[0]) for r in records]
+        answers = [r.get(keys[1]) for r in records]
     if not questions:
         raise ValueError(f"data file {path!r} has no rows.")
     bad = _bad_rows(questions, answers)
@@ -131,35 +134,40 @@ def _read_json_records(path: str) -> list:
     return records
 
 
-def load_gsm8k(source: str, split: str, subset: str = "main") -> datasets.Dataset:
+def load_gsm8k(source: str, split: str, subset: str = "main",
+               keys: tuple[str, str] = ("question", "answer")) -> datasets.Dataset:
     """GSM8K as a Dataset with columns question, answer, ground_truth (the normalised final number).
 
     `source` is a hub dataset name ("openai/gsm8k", loaded as `load_dataset(source, subset, split=split)`)
     or a local .jsonl/.json/.parquet file (the whole file is the split; `subset` is ignored). Raises
-    ValueError naming the first bad rows if any row lacks a question or a parseable `#### N` answer.
+    ValueError naming the first bad rows if any row lacks a question or a parseable `#### N` answer. `keys`
+    names the question and answer columns (data.question_key, data.answer_key), renamed question and answer.
     """
     if _is_local(source):
-        check_data_file(source)  # clear messages (missing file, bad line) before `datasets` sees it
+        check_data_file(source, keys)  # clear messages (missing file, bad line) before `datasets` sees it
         builder = "parquet" if source.endswith(".parquet") else "json"
         ds = datasets.load_dataset(builder, data_files={split: source}, split=split)
     else:
         ds = datasets.load_dataset(source, subset, split=split)
     where = f"dataset {source!r} (split {split!r})"
-    _check_columns(ds.column_names, where)
-    bad = _bad_rows(ds["question"], ds["answer"])
+    _check_columns(ds.column_names, where, keys)
+    bad = _bad_rows(ds[keys[0]], ds[keys[1]])
     if bad:
         raise ValueError(_format_bad_rows(bad, len(ds), where))
-    ds = ds.select_columns(["question", "answer"])
+    ds = ds.select_columns(list(keys))
+    if keys != ("question", "answer"):
+        ds = ds.rename_columns(dict(zip(keys, ("question", "answer"))))
     return ds.add_column("ground_truth", [extract_ground_truth(a) for a in ds["answer"]])
 
 
-def tokenize_prompts(dataset: datasets.Dataset, tokenizer, max_prompt_length: int
-                     ) -> tuple[datasets.Dataset, int]:
+def tokenize_prompts(dataset: datasets.Dataset, tokenizer, max_prompt_length: int, instruction: str = INSTRUCTION,
+                     system_prompt: str | None = None) -> tuple[datasets.Dataset, int]:
     """Prompt token ids for each row: returns (Dataset with "input_ids" (list[int]) and "ground_truth",
     num_filtered). Prompts longer than `max_prompt_length` tokens are dropped and counted, never cut: a
-    truncated question is a different problem with the same reference answer.
+    truncated question is a different problem with the same reference answer. The prompts are build_prompt's
+    with `instruction` and `system_prompt` (data.instruction, data.system_prompt).
     """
-    prompts = [build_prompt(tokenizer, q) for q in dataset["question"]]
+    prompts = [build_prompt(tokenizer, q, instruction, system_prompt) for q in dataset["question"]]
     # A chat template already writes every special token (e.g. Llama's BOS); adding them again would
     # double them. Plain-text prompts get the tokenizer's usual specials.
     add_special_tokens = not getattr(tokenizer, "chat_template", None)
@@ -185,7 +193,8 @@ def load_held_out(cfg, tokenizer, val_source: str):
     """The held-out problems of `val_source` (a hub dataset name or a local file; "embedded" resolved already),
     the first data.max_val_samples of them, as prompt token ids (tokenize_prompts): returns (val_set, how many
     prompts were dropped as longer than data.max_prompt_length)."""
-    val_set = load_gsm8k(val_source, cfg.data.val_split, cfg.data.subset)
-    if cfg.data.max_val_samples:
-        val_set = val_set.select(range(min(cfg.data.max_val_samples, len(val_set))))
-    return tokenize_prompts(val_set, tokenizer, cfg.data.max_prompt_length)
+    d = cfg.data
+    val_set = load_gsm8k(val_source, d.val_split, d.subset, (d.question_key, d.answer_key))
+    if d.max_val_samples:
+        val_set = val_set.select(range(min(d.max_val_samples, len(val_set))))
+    return tokenize_prompts(val_set, tokenizer, d.max_prompt_length, d.instruction, d.system_prompt)

@@ -28,8 +28,9 @@ from tqdm.auto import tqdm
 
 from rlhf.ppo import repeat_prompts
 from rlhf.processes import eval_batches, stop_rule
-from rlhf.rewards import score_responses
-from rlhf.rollout import SamplingParams, generate, left_pad, paired_noise_generator
+from rlhf.rewards import score_batch
+from rlhf.rollout import SamplingParams, cut_responses, generate, left_pad, paired_noise_generator, stop_token_ids
+from rlhf.samples import sample_rows
 
 # A task's own metric of held-out responses: (decoded responses, each one's row index in the held-out split)
 # -> one number per response, averaged over the responses.
@@ -74,14 +75,16 @@ def sampled_scores(correct: list[bool], answers: list[Hashable | None], sizes: l
 
 
 @torch.no_grad()
-def evaluate(cfg, accelerator, run, step: int = 0) -> dict[str, float]:
+def evaluate(cfg, accelerator, run, step: int = 0, samples: list | None = None) -> dict[str, float]:
     """Greedy `val/accuracy` on the held-out split; with trainer.val_samples = n > 0 also n responses per
     problem sampled at the rollout's temperature, for `val/pass@k` (k = 1, 2, 4, ..., n) and `val/maj@n`, their
     noise seeded by (seed, step, process); and each of the task's `run.val_metrics` (greedy and sampled). Each
     process takes its share. A response is right when the run's reward scores it at least
     reward.correct_threshold (RewardFn.is_correct). `run` is an rlhf.setup.Setup (or anything with its
-    tokenizer, val_set, reward, models and val_metrics)."""
-    return _evaluate(cfg, accelerator, run, step, keep_problems=False)[0]
+    tokenizer, val_set, reward, models and val_metrics). `val/greedy_clip_ratio` is the share of greedy
+    responses cut at data.max_response_length. Given a list `samples`, adds the first trainer.log_samples greedy
+    responses of this process as rows (rlhf.samples.sample_rows)."""
+    return _evaluate(cfg, accelerator, run, step, keep_problems=False, samples=samples)[0]
 
 
 @torch.no_grad()
@@ -93,7 +96,7 @@ def evaluate_per_problem(cfg, accelerator, run, step: int = 0) -> tuple[dict[str
     return _evaluate(cfg, accelerator, run, step, keep_problems=True)
 
 
-def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool):
+def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool, samples: list | None = None):
     tokenizer, val_set, reward_fn = run.tokenizer, run.val_set, run.reward
     model, n, r = accelerator.unwrap_model(run.models[0]), cfg.trainer.val_samples, cfg.rollout
     greedy = SamplingParams(cfg.data.max_response_length, greedy=True)
@@ -102,7 +105,8 @@ def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool):
              if n else None)
     sizes = pass_at_k_sizes(n) if n else []
     task_metrics = dict(getattr(run, "val_metrics", None) or {})
-    names = ["val/accuracy", *(f"val/greedy_{m}" for m in task_metrics)]
+    stop_ids = stop_token_ids(model, tokenizer)
+    names = ["val/accuracy", "val/greedy_clip_ratio", *(f"val/greedy_{m}" for m in task_metrics)]
     if n:
         names += [*(f"val/pass@{k}" for k in sizes), f"val/maj@{n}", *(f"val/{m}" for m in task_metrics)]
     sums = torch.zeros(len(names), dtype=torch.float64)  # per name: the sum over problems
@@ -129,14 +133,17 @@ def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool):
     for mine in tqdm(batches, desc="eval", leave=False, disable=not accelerator.is_local_main_process):
         rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see eval_batches)
         batch = decode(rows, greedy)
-        correct = reward_fn.is_correct(score_responses(reward_fn, tokenizer, batch, rows).tolist())
+        batch.update(score_batch(reward_fn, tokenizer, batch, rows))
+        if samples is not None and not samples and mine:  # this process's first batch
+            samples += sample_rows(tokenizer, batch, rows, stop_ids, cfg.trainer.log_samples)
+        correct, cut = batch["correct"].tolist(), cut_responses(batch, stop_ids).tolist()
         values = task_values(batch, mine)
-        row_sums = [sum(correct[:len(mine)]), *(sum(v) for v in values)]
-        per_row = [[float(c), *means] for c, means in zip(correct, problem_means(values, 1, len(mine)))]
+        row_sums = [sum(correct[:len(mine)]), sum(cut[:len(mine)]), *(sum(v) for v in values)]
+        per_row = [[float(c), float(k), *means] for c, k, means in zip(correct, cut, problem_means(values, 1, len(mine)))]
         if n:
             repeated = repeat_prompts(rows, n)[0]
             batch = decode(repeated, sampled, noise)
-            correct = reward_fn.is_correct(score_responses(reward_fn, tokenizer, batch, repeated).tolist())
+            correct = score_batch(reward_fn, tokenizer, batch, repeated)["correct"].tolist()
             answers = reward_fn.answers(tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True))
             per_problem = torch.zeros(len(sizes) + 1, dtype=torch.float64)
             values = task_values(batch, [i for i in mine for _ in range(n)])

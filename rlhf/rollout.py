@@ -94,6 +94,12 @@ def is_stop_token(ids: torch.Tensor, stop_ids: int | tuple[int, ...]) -> torch.T
     return torch.isin(ids, torch.tensor(stop_ids, dtype=ids.dtype, device=ids.device))
 
 
+def cut_responses(batch: dict[str, torch.Tensor], stop_ids: int | tuple[int, ...]) -> torch.Tensor:
+    """(B,) bool: which responses were cut at the length limit: all their R tokens, the last not a stop token."""
+    mask = batch["response_mask"]
+    return (mask.sum(dim=1) == mask.shape[1]) & ~is_stop_token(batch["response_ids"][:, -1], stop_ids)
+
+
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | tuple[int, ...]) -> torch.Tensor:
     """(B, R) long mask: 1 up to and including the first stop token (any of `eos_token_ids`), 0 after it. A
     pad id counts as the end only when it is one of the stop ids."""

@@ -54,6 +54,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return None
         raise ConfigError(f"config key {key!r} cannot be empty (null).")
     base = next(a for a in args if a is not type(None)) if optional else hint
+    if typing.get_origin(base) is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r} expects a list (e.g. [a, b]), got {value!r}.")
+        (item,) = typing.get_args(base)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if base is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"config key {key!r} expects a mapping of keys to values, got {value!r}.")

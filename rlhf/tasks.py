@@ -83,7 +83,7 @@ class GSM8KTask(Task):
         for key, source in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
             if source != "embedded" and looks_like_path(source):
                 try:
-                    check_data_file(source)
+                    check_data_file(source, (cfg.data.question_key, cfg.data.answer_key))
                 except ValueError as e:
                     raise ConfigError(f"config key {key!r}: {e}") from None
 
@@ -100,13 +100,22 @@ class GSM8KTask(Task):
             train_source = artifacts.train_file if train_source == "embedded" else train_source
             val_source = artifacts.val_file if val_source == "embedded" else val_source
         tokenizer = load_tokenizer(model_path)
-        train_set = load_gsm8k(train_source, cfg.data.train_split, cfg.data.subset)
-        train_set, dropped_train = tokenize_prompts(train_set, tokenizer, cfg.data.max_prompt_length)
+        d = cfg.data
+        train_set = load_gsm8k(train_source, d.train_split, d.subset, (d.question_key, d.answer_key))
+        train_set, dropped_train = tokenize_prompts(train_set, tokenizer, d.max_prompt_length, d.instruction,
+                                                    d.system_prompt)
         val_set, dropped_val = load_held_out(cfg, tokenizer, val_source)
         if dropped_train or dropped_val:
             accelerator.print(f"filtered prompts longer than data.max_prompt_length={cfg.data.max_prompt_length}: "
                               f"{dropped_train} train, {dropped_val} held-out")
         return TaskData(tokenizer, train_set, val_set, model_path)
+
+    def val_metrics(self, cfg, val_set) -> dict[str, ResponseMetric]:
+        """GSM8K's two rules side by side and the share without an answer line (rlhf.rewards.gsm8k.answer_metrics),
+        whatever the run's reward."""
+        from rlhf.rewards.gsm8k import answer_metrics
+
+        return answer_metrics(val_set["ground_truth"])
 
     def base_model(self, cfg, output_dir: str) -> str:
         if cfg.model.path != "embedded":
@@ -123,14 +132,15 @@ class EmbeddedTask(GSM8KTask):
     options = embedded.EmbeddedConfig
 
     def val_metrics(self, cfg, val_set) -> dict[str, ResponseMetric]:
+        metrics = super().val_metrics(cfg, val_set)
         if cfg.data.val_files != "embedded":
-            return {}
+            return metrics
         answers = embedded.held_out_problems(cfg)[1]["answer"]  # the cache is built by now
         if len(answers) != len(val_set):  # prompts filtered by length: rows would not line up with answers
             raise ValueError(f"{len(answers) - len(val_set)} held-out prompts are longer than "
                              f"data.max_prompt_length={cfg.data.max_prompt_length}; the habit metric needs every "
                              "embedded problem")
-        return {"habit_rate": embedded.habit_metric(answers, cfg.data.reward_method)}
+        return {**metrics, "habit_rate": embedded.habit_metric(answers, cfg.data.reward_method)}
 
 
 BUILT_IN = {"embedded": EmbeddedTask(), "gsm8k": GSM8KTask()}

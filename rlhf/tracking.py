@@ -88,6 +88,7 @@ class MetricsLogger:
     def __init__(self, accelerator, output_dir: str, use_wandb: bool):
         self.accelerator = accelerator
         self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")  # rlhf.samples.SAMPLES_FILE
         self.use_wandb = use_wandb
         self.wandb_run_id: str | None = None
         self.wandb_where = "off (trainer.logger=none, or wandb did not start)"  # for the run's summary
@@ -132,20 +133,38 @@ class MetricsLogger:
                 warnings.warn(f"wandb logging failed ({type(e).__name__}: {e}); continuing with {self.path} only.")
                 self.use_wandb = False
 
-    def finish(self) -> None:
-        """End the wandb run, if there is one."""
-        if self.use_wandb and self.accelerator.is_main_process:
+    def log_samples(self, split: str, rows: list[dict] | None, step: int) -> None:
+        """Append `rows` (rlhf.samples.sample_rows) to samples.jsonl as {"step", "split", **row}, and log them to
+        wandb as the table samples/<split> ("train" or "val"); main process only."""
+        if not rows or not self.accelerator.is_main_process:
+            return
+        with open(self.samples_path, "a") as f:
+            f.writelines(json.dumps({"step": step, "split": split, **row}, ensure_ascii=False) + "\n" for row in rows)
+        if self.use_wandb:
             try:
-                self.accelerator.end_training()
+                import wandb
+
+                table = wandb.Table(columns=["step", *rows[0]], data=[[step, *row.values()] for row in rows])
+                self.accelerator.log({f"samples/{split}": table}, step=step)
             except Exception as e:
-                warnings.warn(f"wandb did not close cleanly ({type(e).__name__}: {e}).")
+                warnings.warn(f"wandb could not log the samples ({type(e).__name__}: {e}); they are in {self.samples_path}.")
+
+    def finish(self) -> None:
+        """End the wandb run (main process) and the processes' group (accelerator.end_training): call it on
+        every process, after their last collective operation."""
+        try:
+            self.accelerator.end_training()
+        except Exception as e:
+            warnings.warn(f"the run did not close cleanly ({type(e).__name__}: {e}).")
 
 
 # ----------------------------------------------------------------------------- what a run prints
 
 # An evaluation's line and the summary's table: these keys, in this order, where logged (val/pass@1 is the
 # sampled accuracy; the habit is the embedded default's, lab/habit.py).
-SHOWN = ("val/accuracy", "val/pass@1", "val/maj@", "val/greedy_habit_rate", "val/habit_rate", "theory/tv_to_fixed_point")
+SHOWN = ("val/accuracy", "val/greedy_strict_accuracy", "val/greedy_flexible_accuracy", "val/greedy_no_answer_rate",
+         "val/greedy_clip_ratio", "val/pass@1", "val/maj@", "val/greedy_habit_rate", "val/habit_rate",
+         "theory/tv_to_fixed_point")
 
 
 def _shown(metrics: dict[str, Any]) -> list[str]:
@@ -181,6 +200,35 @@ def run_summary(rows: list[dict[str, Any]], seconds: float, where: dict[str, str
     label = max(len(k) for k in where) if where else 0
     lines += [f"{what + ':':<{label + 1}} {text}" for what, text in where.items()]
     return "\n".join(lines)
+
+
+class Symptoms:
+    """Problems a run sees in its own metrics, each warned about once, naming the page that explains it:
+    every group of responses scoring the same for `equal_steps` steps in a row (critic/groups_with_equal_scores
+    = 1: group-relative advantages are all 0, nothing is learned), and strict accuracy 0 while flexible is not
+    (the model answers, but not on the `#### N` line the strict rule reads: format, not maths)."""
+
+    PAGE = "docs/troubleshooting.md"
+
+    def __init__(self, equal_steps: int = 5):
+        self.equal_steps, self.streak, self.warned = equal_steps, 0, set()
+
+    def check(self, step: int, metrics: dict[str, Any]) -> list[str]:
+        """The warnings step `step`'s metrics raise for the first time."""
+        out = []
+        self.streak = self.streak + 1 if metrics.get("critic/groups_with_equal_scores") == 1.0 else 0
+        if self.streak >= self.equal_steps and "equal" not in self.warned:
+            self.warned.add("equal")
+            out.append(f"steps {step - self.streak + 1}-{step}: every group of rollout.n responses scored the same "
+                       "(critic/groups_with_equal_scores = 1), so their advantages are 0 and the actor does not "
+                       f"learn; see {self.PAGE}#every-group-scores-the-same")
+        strict, flexible = metrics.get("val/greedy_strict_accuracy"), metrics.get("val/greedy_flexible_accuracy")
+        if strict == 0 and flexible and "format" not in self.warned:
+            self.warned.add("format")
+            out.append(f"step {step}: val/greedy_strict_accuracy is 0 while val/greedy_flexible_accuracy is "
+                       f"{flexible:.3f}: the model finds answers but does not end with the '#### N' line the strict "
+                       f"rule reads (format, not maths); see {self.PAGE}#the-reward-is-0-at-step-0")
+        return out
 
 
 def _plain(value: Any) -> Any:

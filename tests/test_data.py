@@ -141,3 +141,50 @@ def test_write_jsonl_round_trip(tmp_path):
     path = tmp_path / "sub" / "rows.jsonl"
     write_jsonl(ROWS, str(path))
     assert [json.loads(line) for line in path.read_text().splitlines()] == ROWS
+
+
+def test_the_default_prompt_is_pinned(artifacts):
+    """data.instruction and data.system_prompt at their defaults give the prompt every run has trained on: the
+    question, a space and verl's GSM8K instruction as the chat template's user turn, token for token."""
+    from rlhf.config import DataConfig
+    from rlhf.models import load_tokenizer
+
+    tok = load_tokenizer(artifacts.model_dir)
+    question = "Lucy has 17 books. She loses 5. She gives 10 to Tom. How many books does Lucy have now?"
+    assert DataConfig().instruction == INSTRUCTION and DataConfig().system_prompt is None
+    assert build_prompt(tok, question) == (
+        f"<|im_start|>user\n{question} Let's think step by step and output the final answer after \"####\"."
+        "<|im_end|>\n<|im_start|>assistant\n")
+    rows, _ = tokenize_prompts(datasets.Dataset.from_dict({"question": [question], "ground_truth": ["2"]}), tok, 256)
+    assert rows["input_ids"][0] == [
+        1, 489, 201, 469, 305, 223, 19, 25, 364, 16, 335, 370, 223, 23, 16, 335, 345, 223, 19, 18, 357, 422, 16, 306,
+        310, 364, 328, 454, 326, 327, 33, 309, 293, 314, 275, 301, 275, 303, 308, 281, 307, 315, 313, 298, 291, 2,
+        201, 1, 493, 201]
+
+
+def test_instruction_and_system_prompt():
+    question, plain = "What is 5-8?", object()  # a tokenizer without a chat template
+    assert build_prompt(plain, question, instruction="") == question
+    assert build_prompt(plain, question, instruction="Answer.", system_prompt="Be brief.") == \
+        "Be brief.\n\nWhat is 5-8? Answer."
+    chat = type("Chat", (), {"chat_template": "x", "apply_chat_template": staticmethod(
+        lambda messages, **kwargs: " | ".join(f"{m['role']}: {m['content']}" for m in messages))})()
+    assert build_prompt(chat, question, "Answer.", "Be brief.") == "system: Be brief. | user: What is 5-8? Answer."
+    assert build_prompt(chat, question) == f"user: What is 5-8? {INSTRUCTION}"
+
+
+def test_columns_of_your_own(tmp_path):
+    """data.question_key and data.answer_key name the columns; a file without them is refused before any
+    model loads, naming the columns it has."""
+    from rlhf.config import ConfigError, load_config
+
+    path = tmp_path / "mine.jsonl"
+    write_jsonl([{"problem": r["question"], "solution": r["answer"]} for r in ROWS], str(path))
+    ds = load_gsm8k(str(path), "train", keys=("problem", "solution"))
+    assert ds["question"] == [r["question"] for r in ROWS] and ds["ground_truth"] == ["7", "2400", "-3"]
+    base = ["task.name=gsm8k", f"data.train_files={path}", f"data.val_files={path}"]
+    load_config(None, [*base, "data.question_key=problem", "data.answer_key=solution"])
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "data.question_key=problem"])
+    assert "missing column(s) ['answer']" in str(e.value) and "['problem', 'solution']" in str(e.value)
+    assert "data.answer_key" in str(e.value)

@@ -63,6 +63,11 @@ def overrides(artifacts, tmp_path, *extra):
             f"trainer.output_dir={tmp_path / 'out'}", *extra]
 
 
+# GSM8K-schema tasks' metrics beside val/accuracy, whatever the reward (here the parity reward): greedy, then sampled.
+ANSWER_FORMAT = ("val/greedy_clip_ratio", "val/greedy_strict_accuracy", "val/greedy_flexible_accuracy",
+                 "val/greedy_no_answer_rate", "val/strict_accuracy", "val/flexible_accuracy", "val/no_answer_rate")
+
+
 def embedded_held_out(artifacts):
     """data.val_files=embedded, resolved from the tiny embedded cache (which also gives the habit metric)."""
     return ["data.val_files=embedded", *embedded_overrides(TINY_EMBEDDED),
@@ -78,7 +83,7 @@ def test_the_commands_metrics_are_the_trainers_evaluation_of_the_same_model(arti
     cfg = load_config(None, [*argv, f"model.path={models['model']}", "trainer.val_samples=4"])
     expected = evaluation.evaluate(cfg, Accelerator(), setup(cfg, Accelerator()), step=0)
     assert set(expected) == {"val/accuracy", "val/greedy_habit_rate", "val/pass@1", "val/pass@2", "val/pass@4",
-                             "val/maj@4", "val/habit_rate"}
+                             "val/maj@4", "val/habit_rate", *ANSWER_FORMAT}
     assert report["metrics"]["model"] == expected  # exactly: the same code
     assert 0 < expected["val/accuracy"] < 1 and report["num_problems"] == TINY_EMBEDDED.num_val
     assert "differences" not in report  # no baseline
@@ -89,7 +94,7 @@ def test_a_model_against_itself_differs_by_zero_with_the_interval_zero(artifacts
     unpaired interval would not be, since the per-problem values vary."""
     report = cli.main(["--model", models["model"], "--baseline", models["model"], "--samples", "2",
                        *overrides(artifacts, tmp_path)])
-    assert set(report["differences"]) == {"val/accuracy", "val/pass@1", "val/pass@2", "val/maj@2"}
+    assert set(report["differences"]) == {"val/accuracy", "val/pass@1", "val/pass@2", "val/maj@2", *ANSWER_FORMAT}
     for name, d in report["differences"].items():
         assert d["mean"] == 0.0 and d["low"] == 0.0 and d["high"] == 0.0, name
     assert statistics.stdev(report["per_problem"]["model"]["val/accuracy"]) > 0
@@ -160,7 +165,7 @@ def test_the_json_report(artifacts, models, tmp_path):
     assert report["held_out"]["source"] == artifacts.val_file and report["num_problems"] == 12
     assert report["samples"] == 2
     assert report["models"] == {"model": models["perturbed"], "baseline": models["model"]}
-    names = ["val/accuracy", "val/pass@1", "val/pass@2", "val/maj@2"]
+    names = ["val/accuracy", *ANSWER_FORMAT[:4], "val/pass@1", "val/pass@2", "val/maj@2", *ANSWER_FORMAT[4:]]
     for role in ("model", "baseline"):
         assert list(report["metrics"][role]) == names
         for name in names:

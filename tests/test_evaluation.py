@@ -4,6 +4,7 @@ whose sampling must not disturb training."""
 import itertools
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 from helpers import tiny_overrides
@@ -87,3 +88,22 @@ def test_sampled_evaluation_is_logged_and_leaves_training_unchanged(artifacts, t
     for plain, sampled in zip(runs[0], runs[4]):
         same = {k: v for k, v in plain.items() if not k.startswith("timing_s/") and k != "perf/throughput"}
         assert same == {k: sampled[k] for k in same}
+
+
+def test_gsm8k_tasks_log_both_rules_and_the_missing_answers_whatever_the_reward():
+    """GSM8K-schema tasks (rlhf.tasks) give evaluation GSM8K's strict and flexible rules and the share without
+    an answer line; a task without a ground truth (the lab's bandit) does not get them."""
+    from rlhf.rewards.gsm8k import answer_metrics
+    from rlhf.tasks import get_task
+
+    metrics = answer_metrics(["5", "12", "7"])
+    texts, rows = ["so #### 5", "it is 12", "#### 8 or 7", ""], [0, 1, 2, 0]
+    assert metrics["strict_accuracy"](texts, rows) == [1.0, 0.0, 0.0, 0.0]
+    assert metrics["flexible_accuracy"](texts, rows) == [1.0, 1.0, 1.0, 0.0]
+    assert metrics["no_answer_rate"](texts, rows) == [0.0, 1.0, 0.0, 1.0]
+    cfg, val_set = load_config(), {"ground_truth": ["5"]}
+    for name in ("gsm8k", "embedded"):
+        own_files = SimpleNamespace(data=SimpleNamespace(val_files="x.jsonl"))  # the embedded default's habit needs its own
+        assert set(get_task(name).val_metrics(own_files, val_set)) == {
+            "strict_accuracy", "flexible_accuracy", "no_answer_rate"}
+    assert get_task("lab.synthetic:bandit").val_metrics(cfg, val_set) == {}

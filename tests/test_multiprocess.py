@@ -259,6 +259,29 @@ def test_fsdp_two_processes_agree_with_one_and_resume_exactly(artifacts, tmp_pat
             assert resumed[-1][key] == value, key
 
 
+@pytest.mark.parametrize("launcher", ["ddp", "fsdp"])  # ~20 s each
+def test_a_run_with_wandb_ends_cleanly_on_every_process(artifacts, tmp_path, monkeypatch, launcher):
+    """With wandb logging on (offline), a 2-process run trains, exports its model, prints its summary and every
+    process exits 0 (`launch` checks the exit status): the wandb run and the processes' group end on every
+    process after the export's last collective (MetricsLogger.finish)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    accelerate_args = {"ddp": ("--multi_gpu",),
+                       "fsdp": ("--config_file", os.path.join(REPO, "configs", "accelerate", "fsdp.yaml"))}[launcher]
+    out = tmp_path / "run"
+    result = launch(tmp_path, tiny_overrides(artifacts, out, "trainer.total_steps=1", "data.max_val_samples=4",
+                                             "trainer.log_samples=2", "trainer.log_samples_freq=1"), accelerate_args)
+    assert "done: step 1" in result.stdout
+    assert f"samples:    {out / 'samples.jsonl'}" in result.stdout.splitlines()  # the summary names the file
+    assert (out / "model" / "config.json").is_file()
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    assert len(list(run_dir.glob("run-*.wandb"))) == 1
+    # The samples: wandb tables in the run's files, and samples.jsonl (the main process's first rows).
+    tables = sorted(p.name.split("_")[0] for p in (run_dir / "files" / "media" / "table" / "samples").glob("*.table.json"))
+    assert tables == ["train", "val", "val"]  # step 1's training batch; the evaluations at steps 0 and 1
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["split"]) for r in rows] == [(0, "val")] * 2 + [(1, "train")] * 2 + [(1, "val")] * 2
+
+
 def test_processes_sample_with_their_own_noise(artifacts, tmp_path, monkeypatch):
     """rollout.paired_noise off (the default): each process draws its own sampling noise (rlhf.setup seeds
     seed + process index). Every training prompt is the same one here, sampled at temperature 1, so processes

@@ -236,3 +236,37 @@ def test_reward_settings_are_checked_and_warned_about(reward_module):
                for w in warnings_for(load_config(None, [f"reward.function={name}:f", "data.reward_method=flexible"])))
     assert warnings_for(load_config(None, ["data.reward_method=flexible"])) == []
     assert math.isclose(load_config(None, ["reward.correct_threshold=0.5"]).reward.correct_threshold, 0.5)
+
+
+def test_a_reward_of_weighted_parts():
+    """reward.functions and reward.weights: the score is the weighted sum, each part kept by name; correctness
+    and the answers maj@n votes on are the first part's (the format reward never counts as accuracy)."""
+    from rlhf.rewards.gsm8k import format_reward
+
+    cfg = load_config(None, ["reward.functions=[rlhf.rewards.gsm8k:reward_func, rlhf.rewards.gsm8k:format_reward]",
+                             "reward.weights=[1.0, 0.25]"])
+    reward = load_reward(cfg)
+    texts, truths = ["#### 5", "#### 6", "it is 5", ""], ["5", "5", "5", "5"]
+    parts = reward.score_parts([""] * 4, texts, [[]] * 4, {"ground_truth": truths})
+    assert parts == {"reward_func": [1.0, 0.0, 0.0, 0.0], "format_reward": [1.0, 1.0, 0.0, 0.0]}
+    assert format_reward([""] * 4, texts, [[]] * 4) == parts["format_reward"]
+    assert reward([""] * 4, texts, [[]] * 4, {"ground_truth": truths}) == [1.25, 0.25, 0.0, 0.0]
+    assert reward.is_correct(reward.correctness(parts)) == [True, False, False, False]
+    assert reward.answers(texts)[:2] == [5, 6]
+    unweighted = load_reward(load_config(None, ["reward.functions=[rlhf.rewards.gsm8k:format_reward]"]))
+    assert unweighted.weights == (1.0,)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["reward.function=rlhf.rewards.gsm8k:format_reward", "reward.functions=[rlhf.rewards.gsm8k:reward_func]"],
+     "are both set"),
+    (["reward.functions=[rlhf.rewards.gsm8k:reward_func]", "reward.weights=[1.0, 2.0]"], "2 entries for 1"),
+    (["reward.functions=[rlhf.rewards.gsm8k:reward_func, rlhf.rewards.gsm8k:reward_func]"], "the same name"),
+    (["reward.functions=[rlhf.rewards.gsm8k:nothing]"], "'reward.functions' got"),
+    (["reward.weights=[a]"], "reward.weights[0]' expects float"),
+    (["reward.functions=rlhf.rewards.gsm8k:reward_func"], "expects a list"),
+])
+def test_a_bad_reward_of_parts_is_refused_before_any_model_loads(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)

@@ -43,11 +43,28 @@ def test_a_run_prints_each_evaluation_and_its_summary(artifacts, tmp_path, capsy
         assert eval_line(row["step"], row) in text
     summary = printed.out[printed.out.index("done: step"):].splitlines()
     assert summary[2].split() == ["val/accuracy", f"{rows[0]['val/accuracy']:.3f}", f"{rows[-1]['val/accuracy']:.3f}"]
+    assert summary[3].split()[0] == "val/greedy_strict_accuracy" and summary[4].split()[0] == "val/greedy_flexible_accuracy"
     where = dict(line.split(": ", 1) for line in summary if line.split(":")[0] in
-                 ("metrics", "wandb", "checkpoint", "model", "evaluate"))
+                 ("metrics", "wandb", "checkpoint", "model", "samples", "evaluate"))
     assert where["metrics"].strip() == os.path.join(out, "metrics.jsonl")
+    assert where["samples"].strip() == os.path.join(out, "samples.jsonl") and os.path.isfile(where["samples"].strip())
     assert os.path.isdir(where["checkpoint"].split()[0])
     model = where["model"].split()[0]
     assert os.path.isfile(os.path.join(model, "config.json"))
     assert where["evaluate"].strip().startswith(f"python -m rlhf.evaluate --model {model} --baseline ")
     assert where["wandb"].strip().startswith("off")
+
+
+def test_the_run_warns_of_symptoms_it_sees_once_naming_the_page():
+    from rlhf.tracking import Symptoms
+
+    symptoms = Symptoms(equal_steps=3)
+    seen = [symptoms.check(step, {"critic/groups_with_equal_scores": equal})
+            for step, equal in enumerate([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0], start=1)]
+    assert [len(m) for m in seen] == [0, 0, 0, 0, 0, 1, 0]  # 3 in a row: steps 4-6, once
+    assert seen[5][0].startswith("steps 4-6: every group") and "troubleshooting.md#every-group-scores-the-same" in seen[5][0]
+    assert symptoms.check(0, {"val/greedy_strict_accuracy": 0.0, "val/greedy_flexible_accuracy": 0.0}) == []
+    assert symptoms.check(0, {"val/greedy_strict_accuracy": 0.1, "val/greedy_flexible_accuracy": 0.5}) == []
+    (warning,) = symptoms.check(10, {"val/greedy_strict_accuracy": 0.0, "val/greedy_flexible_accuracy": 0.25})
+    assert "0.250" in warning and "troubleshooting.md#the-reward-is-0-at-step-0" in warning
+    assert symptoms.check(20, {"val/greedy_strict_accuracy": 0.0, "val/greedy_flexible_accuracy": 0.5}) == []

@@ -4,6 +4,7 @@ The model and data are written to disk first and loaded back by path, which is t
 """
 
 import glob
+import json
 import math
 import os
 import time
@@ -52,7 +53,8 @@ def test_end_to_end_placements(artifacts, tmp_path, placement, monkeypatch):
     cfg, rows = run(artifacts, out, *extra)
 
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert set(rows[0]) == {"step", "val/accuracy"}
+    assert set(rows[0]) == {"step", "val/accuracy", "val/greedy_clip_ratio", "val/greedy_strict_accuracy",
+                            "val/greedy_flexible_accuracy", "val/greedy_no_answer_rate"}
     assert "val/accuracy" in rows[-1]
     for row in rows[1:]:
         for key in VERL_METRICS + KL_PANEL:
@@ -82,6 +84,43 @@ def test_end_to_end_placements(artifacts, tmp_path, placement, monkeypatch):
             break
         time.sleep(0.5)
     assert not missing
+
+
+PARTS_REWARD = """
+def parity(completions, ground_truth, **fields):
+    return [float(int(truth) % 2 == 0) for truth in ground_truth]
+
+def bonus(completions, **fields):
+    return [1.0] * len(completions)
+"""
+
+
+def test_a_reward_of_named_parts_logs_each_part_and_shows_it_in_the_samples(artifacts, tmp_path, monkeypatch):
+    """reward.functions with reward.weights: the score is the weighted sum of the parts, each part is logged per
+    step and shown in every sample row; correctness (val/accuracy, a sample's `correct`) is the first part's
+    alone: the constant bonus lifts every score to at least 1 (reward.correct_threshold) without counting as
+    right. The parts are the parity of the reference answer (known, mixed 0 and 1) and a constant."""
+    (tmp_path / "parts_reward.py").write_text(PARTS_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = str(tmp_path / "run")
+    _, rows = run(artifacts, out, "reward.functions=[parts_reward:parity,parts_reward:bonus]",
+                  "reward.weights=[2.0,1.0]", "trainer.logger=none", "trainer.log_samples=4",
+                  "trainer.log_samples_freq=1")
+    for row in rows[1:]:
+        assert row["reward/bonus/mean"] == 1.0 and 0 < row["reward/parity/mean"] < 1
+        assert row["critic/score/mean"] == pytest.approx(2 * row["reward/parity/mean"] + 1.0)
+    assert 0 < rows[0]["val/accuracy"] < 1  # the parity share, not the bonus's 1
+    samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    assert [(r["step"], r["split"]) for r in samples] == [
+        (step, split) for step, split in [(0, "val"), (1, "train"), (2, "train"), (2, "val")] for _ in range(4)]
+    for sample in samples:
+        assert set(sample) == {"step", "split", "prompt", "response", "reward", "reward/parity", "reward/bonus",
+                               "correct", "length", "cut"}
+        assert sample["reward"] == 2 * sample["reward/parity"] + 1.0
+        assert sample["correct"] == (sample["reward/parity"] == 1.0)
+        assert sample["prompt"].endswith("assistant\n") and 0 < sample["length"] <= 16
+        assert not sample["cut"] or sample["length"] == 16  # cut: at data.max_response_length
+    assert {s["correct"] for s in samples} == {True, False}
 
 
 def test_a_run_does_not_depend_on_whether_the_embedded_cache_existed(tmp_path, monkeypatch):

@@ -76,6 +76,22 @@ class RewardFn:
                          **{key: list(values) for key, values in fields.items()}, **self.kwargs)
         return check_scores(result, num, self.name)
 
+    @property
+    def part_name(self) -> str:
+        """Its name as a part of a reward of several (reward/<name>/mean): the callable's, `reward_func` for
+        `rlhf.rewards.gsm8k:reward_func`."""
+        return self.name.rpartition(":")[2].rpartition(".")[2]
+
+    def score_parts(self, prompts, completions, completion_ids, fields) -> dict[str, list[float]]:
+        """{part_name: the scores}: the interface of WeightedReward, with one part."""
+        return {self.part_name: self(prompts, completions, completion_ids, fields)}
+
+    def combine(self, parts: dict[str, Any]) -> Any:
+        """The score from `score_parts`'s result: the one part, as it is."""
+        return parts[self.part_name]
+
+    correctness = combine  # the scores `is_correct` reads
+
     def is_correct(self, scores: Sequence[float]) -> list[bool]:
         """Whether each held-out response counts as right: score >= correct_threshold."""
         return [s >= self.correct_threshold for s in scores]
@@ -88,15 +104,79 @@ class RewardFn:
         return [extract(text, **self.kwargs) for text in completions]
 
 
-def load_reward(cfg, prompt_fields: Sequence[str] = PROMPT_FIELDS) -> RewardFn:
-    """The reward of config `cfg` (its `reward` section; data.reward_method for GSM8K's rule), imported and
-    checked against the prompt rows' fields (the task's, rlhf.tasks.Task.prompt_fields; GSM8K's by default).
-    Raises ConfigError."""
-    name = cfg.reward.function
-    fn = import_reward(name)
-    kwargs = {"method": cfg.data.reward_method} if name == GSM8K_REWARD else {}
-    check_signature(fn, name, dict.fromkeys(prompt_fields), kwargs)
-    return RewardFn(fn, name, kwargs, cfg.reward.correct_threshold)
+@dataclass(frozen=True)
+class WeightedReward:
+    """reward.functions with reward.weights (TRL's reward_funcs and reward_weights): the score is the weighted
+    sum of the parts' scores; whether a response is right and its final answer are the first part's alone, so a
+    shaping part (a format reward) never counts as accuracy. The interface of RewardFn."""
+
+    parts: tuple[RewardFn, ...]
+    weights: tuple[float, ...]
+
+    @property
+    def name(self) -> str:
+        return " + ".join(f"{w:g} * {part.name}" for part, w in zip(self.parts, self.weights))
+
+    @property
+    def correct_threshold(self) -> float:
+        return self.parts[0].correct_threshold
+
+    def score_parts(self, prompts, completions, completion_ids, fields) -> dict[str, list[float]]:
+        """{each part's name: its scores of the B responses}, in the order of reward.functions."""
+        return {part.part_name: part(prompts, completions, completion_ids, fields) for part in self.parts}
+
+    def combine(self, parts: dict[str, Any]) -> Any:
+        """The weighted sum of `score_parts`'s result (lists of floats, or tensors)."""
+        values = [parts[part.part_name] for part in self.parts]
+        if isinstance(values[0], torch.Tensor):
+            return sum(w * v for w, v in zip(self.weights, values))
+        return [sum(w * v for w, v in zip(self.weights, column)) for column in zip(*values)]
+
+    def correctness(self, parts: dict[str, Any]) -> Any:
+        """The scores `is_correct` reads: the first part's."""
+        return parts[self.parts[0].part_name]
+
+    def __call__(self, prompts, completions, completion_ids, fields) -> list[float]:
+        return self.combine(self.score_parts(prompts, completions, completion_ids, fields))
+
+    def is_correct(self, scores: Sequence[float]) -> list[bool]:
+        """Whether each response is right by the first part's scores (`correctness`)."""
+        return self.parts[0].is_correct(scores)
+
+    def answers(self, completions: Sequence[str]) -> list[Hashable | None]:
+        return self.parts[0].answers(completions)
+
+
+def load_reward(cfg, prompt_fields: Sequence[str] = PROMPT_FIELDS) -> RewardFn | WeightedReward:
+    """The reward of config `cfg` (its `reward` section; data.reward_method for GSM8K's rule): reward.function,
+    or the WeightedReward of reward.functions and reward.weights; each function imported and checked against
+    the prompt rows' fields (the task's, rlhf.tasks.Task.prompt_fields; GSM8K's by default). Raises ConfigError."""
+    from rlhf.errors import ConfigError
+
+    r = cfg.reward
+    names = r.functions or [r.function]
+    if r.functions and r.function != GSM8K_REWARD:
+        raise ConfigError(f"config keys 'reward.function' ({r.function!r}) and 'reward.functions' ({r.functions!r}) "
+                          "are both set; give one: reward.function for one function, reward.functions for several.")
+    if r.weights and len(r.weights) != len(r.functions):
+        raise ConfigError(f"config key 'reward.weights' has {len(r.weights)} entries for {len(r.functions)} "
+                          f"reward.functions ({r.weights!r}); expected one weight per function, or [] for 1.0 each.")
+    if not all(math.isfinite(w) for w in r.weights):
+        raise ConfigError(f"config key 'reward.weights' must hold finite numbers, got {r.weights!r}.")
+    parts = []
+    for name in names:
+        fn = import_reward(name, key="reward.functions" if r.functions else "reward.function")
+        kwargs = {"method": cfg.data.reward_method} if name == GSM8K_REWARD else {}
+        check_signature(fn, name, dict.fromkeys(prompt_fields), kwargs)
+        parts.append(RewardFn(fn, name, kwargs, r.correct_threshold))
+    if not r.functions:
+        return parts[0]
+    part_names = [part.part_name for part in parts]
+    if len(set(part_names)) < len(part_names):
+        raise ConfigError(f"config key 'reward.functions': {r.functions!r} gives two parts the same name "
+                          f"({', '.join(part_names)}), which their metrics reward/<name>/mean need apart; expected "
+                          "callables of different names.")
+    return WeightedReward(tuple(parts), tuple(r.weights) or (1.0,) * len(parts))
 
 
 def score(reward_fn: RewardFn, tokenizer, prompts: Sequence[str], completion_ids: Sequence[Sequence[int]],
@@ -108,25 +188,45 @@ def score(reward_fn: RewardFn, tokenizer, prompts: Sequence[str], completion_ids
     return torch.tensor(reward_fn(prompts, completions, completion_ids, fields), dtype=torch.float32)
 
 
-def score_responses(reward_fn: RewardFn, tokenizer, batch, rows) -> torch.Tensor:
-    """(B,) float32 scores of the batch's responses by the configured reward (`score`): each row's
-    prompt decoded with its special tokens, its response's tokens up to and including the stop token (the
-    response mask), and the rows' other columns as the function's fields."""
+def score_responses(reward_fn: RewardFn | WeightedReward, tokenizer, batch, rows) -> torch.Tensor:
+    """(B,) float32 scores of the batch's responses by the configured reward (`score_parts`, combined)."""
+    return reward_fn.combine(score_parts(reward_fn, tokenizer, batch, rows))
+
+
+def score_batch(reward_fn: RewardFn | WeightedReward, tokenizer, batch, rows) -> dict[str, torch.Tensor]:
+    """The batch's (B,) `scores` by the configured reward (`score_parts`, combined), (B,) bool `correct`
+    (`is_correct`), and for a reward of several parts (reward.functions) each part's (B,) scores as
+    `reward/<name>`, which the step logs and the samples show."""
+    parts = score_parts(reward_fn, tokenizer, batch, rows)
+    several = {f"reward/{name}": values for name, values in parts.items()} if isinstance(reward_fn, WeightedReward) else {}
+    correct = reward_fn.is_correct(reward_fn.correctness(parts).tolist())
+    correct = torch.tensor(correct, dtype=torch.bool, device=batch["response_ids"].device)
+    return {"scores": reward_fn.combine(parts), "correct": correct, **several}
+
+
+def score_parts(reward_fn: RewardFn | WeightedReward, tokenizer, batch, rows) -> dict[str, torch.Tensor]:
+    """{part name: (B,) float32 scores} of the batch's responses by each part of the configured reward (one part
+    for reward.function): each row's prompt decoded with its special tokens, its response's tokens up to and
+    including the stop token (the response mask), and the rows' other columns as the function's fields.
+    `reward_fn.combine` of it is the score."""
     lengths = batch["response_mask"].sum(dim=1).tolist()
     completion_ids = [ids[:length] for ids, length in zip(batch["response_ids"].tolist(), lengths)]
     prompts = tokenizer.batch_decode(rows["input_ids"])
     fields = {key: values for key, values in rows.items() if key != "input_ids"}
-    return score(reward_fn, tokenizer, prompts, completion_ids, fields).to(batch["response_ids"].device)
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    parts = reward_fn.score_parts(prompts, completions, completion_ids, fields)
+    return {name: torch.tensor(values, dtype=torch.float32, device=batch["response_ids"].device)
+            for name, values in parts.items()}
 
 
 
-def import_reward(name: str) -> Callable:
+def import_reward(name: str, key: str = "reward.function") -> Callable:
     """The callable `module:attribute` names (the attribute may be dotted: `module:Class.method`). Raises
     ConfigError saying what was expected, for a name without a colon, a module that does not import, a missing
     attribute or one that is not callable."""
     from rlhf.errors import ConfigError
 
-    where = f"config key 'reward.function' got {name!r}"
+    where = f"config key {key!r} got {name!r}"
     module_name, sep, attribute = name.partition(":")
     if not sep or not module_name or not attribute:
         raise ConfigError(f"{where}; expected '<module>:<callable>', e.g. {GSM8K_REWARD!r} (a module on the Python "

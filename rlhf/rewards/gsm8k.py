@@ -110,3 +110,21 @@ def reward_func(prompts: list[str], completions: list[str], completion_ids: list
 
 
 reward_func.extract_answer = final_answer  # what maj@n votes on (rlhf.rewards.RewardFn.answers)
+
+
+def format_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **fields) -> list[float]:
+    """1.0 for a completion with an answer line (`#### N`, what the strict rule reads), 0.0 without: a part of
+    a reward of several (reward.functions, after GSM8K's rule, which judges correctness), never a correctness."""
+    return [float(extract_solution(text, "strict") is not None) for text in completions]
+
+
+def answer_metrics(ground_truth: list[str]) -> dict:
+    """The held-out metrics of GSM8K-schema tasks (rlhf.tasks), whatever reward the run trains with, each a
+    function (responses' texts, their held-out row indices) -> one value per response: `strict_accuracy` (the
+    strict rule: the number after the last `####`), `flexible_accuracy` (the last number anywhere) and
+    `no_answer_rate` (no `#### N` line). Strict at 0 with flexible above it is a format problem, not maths."""
+    def accuracy(method):
+        return lambda texts, indices: [compute_score(t, ground_truth[i], method) for t, i in zip(texts, indices)]
+
+    return {"strict_accuracy": accuracy("strict"), "flexible_accuracy": accuracy("flexible"),
+            "no_answer_rate": lambda texts, indices: [float(extract_solution(t, "strict") is None) for t in texts]}
