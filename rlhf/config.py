@@ -25,11 +25,8 @@ import yaml
 
 from rlhf.config_checks import validate, warnings_for  # noqa: F401  (re-exported for the rest)
 from rlhf.errors import ConfigError  # noqa: F401  (raised here, and imported from here by the rest)
+from rlhf.rewards.gsm8k import INSTRUCTION
 from rlhf.schema import _build, _check_key, _coerce
-
-# The instruction verl's GSM8K preprocessing appends to each question, so "####" marks the final answer: the
-# default data.instruction (rlhf.data.build_prompt).
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
 @dataclass

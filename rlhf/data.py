@@ -18,8 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import datasets
 
-from rlhf.config import INSTRUCTION  # the default data.instruction
-from rlhf.rewards.gsm8k import extract_ground_truth
+from rlhf.rewards.gsm8k import INSTRUCTION, extract_ground_truth  # INSTRUCTION: the default data.instruction
 
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")

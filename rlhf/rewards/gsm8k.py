@@ -26,6 +26,9 @@ import re
 from decimal import Decimal
 
 METHODS = ("strict", "flexible")
+# The instruction verl's GSM8K preprocessing appends to each question, so that "####" marks the final answer
+# this rule reads: the default data.instruction (rlhf.data.build_prompt).
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 # Sign and dollar in either order, then digits with correct thousands commas, or plain digits, optionally
 # with a decimal part; or a bare decimal part (".5").
