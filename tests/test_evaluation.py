@@ -106,4 +106,4 @@ def test_gsm8k_tasks_log_both_rules_and_the_missing_answers_whatever_the_reward(
         own_files = SimpleNamespace(data=SimpleNamespace(val_files="x.jsonl"))  # the embedded default's habit needs its own
         assert set(get_task(name).val_metrics(own_files, val_set)) == {
             "strict_accuracy", "flexible_accuracy", "no_answer_rate"}
-    assert get_task("lab.synthetic:bandit").val_metrics(cfg, val_set) == {}
+    assert get_task("lab.tasks:bandit").val_metrics(cfg, val_set) == {}

@@ -119,9 +119,10 @@ def test_task_metrics_are_averaged_per_problem_greedy_and_sampled(artifacts, tmp
 
 def test_gsm8k_files_have_no_habit_metric(artifacts, tmp_path):
     """The habit exists only in the embedded default's problems (the real run above logs it): GSM8K files,
-    e.g. the hub's, get no task metric, so the trainer is the same for them."""
+    e.g. the hub's, get GSM8K's answer metrics but no habit metric."""
     files = load_config(None, tiny_overrides(artifacts, str(tmp_path / "run")))
-    assert rlhf.tasks.get_task(files.task.name).val_metrics(files, None) == {}
+    metrics = rlhf.tasks.get_task(files.task.name).val_metrics(files, {"ground_truth": ["7", "12"]})
+    assert "habit_rate" not in metrics and "strict_accuracy" in metrics
 
 
 # ----------------------------------------------------------------------------- where a KL keeps the habit
