@@ -13,7 +13,7 @@
 
 `python -m lab.theory` prints the tables docs/kl.md quotes. The trainer imports this package only for the
 synthetic tasks (lab/landing.py, lab/synthetic.py); the KL module itself is rlhf.kl. The expectations and the
-two solvers are re-exported here: `from rlhf import theory; theory.expected_loss_grad(...)`.
+two solvers are re-exported here: `from lab import theory; theory.expected_loss_grad(...)`.
 """
 
 from lab.theory.expectations import (
