@@ -107,8 +107,9 @@ def solver_limits(ref_probs: torch.Tensor, beta: float, advantage: str = "rloo",
                   ) -> dict[str, torch.Tensor]:
     """(N,) the habit's probability where the exact solver (lab.theory.fixed_points) takes k3 and k3+ in
     the loss from each decision of `ref_probs` (N, 3), under the trainer's advantage estimator `advantage`
-    with group size n: habit_limits' two optima where the clamp and the estimator leave them (RLOO, beta >=
-    0.15), elsewhere the corner or the point the estimator moves them to (docs/kl.md)."""
+    with group size n: habit_limits' two optima where the clamp and the estimator leave them (RLOO, where the
+    forward optimum lies inside k3's clamp edge: beta above ~0.074 on the embedded default's decisions),
+    elsewhere the corner or the point the estimator moves them to (docs/kl.md, "verl's clamp")."""
     from lab.theory.fixed_points import bandit_fixed_point
 
     rewards = torch.tensor(DECISION_REWARDS, dtype=torch.float64)
