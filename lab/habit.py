@@ -143,7 +143,7 @@ def report(output_dir: str) -> list[tuple[str, Counter]]:
     from rlhf.checkpoint import checkpoint_step, list_checkpoints
     from rlhf.config import load_config
     from rlhf.data import load_gsm8k
-    from rlhf.embedded import prepare_embedded_default
+    from rlhf.embedded import embedded_options, prepare_embedded_default
     from rlhf.models import load_causal_lm, load_tokenizer
 
     cfg = load_config(os.path.join(output_dir, "config.yaml"))
@@ -151,7 +151,7 @@ def report(output_dir: str) -> list[tuple[str, Counter]]:
         raise ValueError(f"{output_dir} is not a run of the embedded default (model.path={cfg.model.path!r}, "
                          f"data.val_files={cfg.data.val_files!r}); the habit exists only there")
     cache_dir = cfg.trainer.cache_dir or os.path.join(output_dir, "embedded")
-    artifacts = prepare_embedded_default(cache_dir, cfg.embedded, log=lambda *_: None)
+    artifacts = prepare_embedded_default(cache_dir, embedded_options(cfg), log=lambda *_: None)
     tokenizer = load_tokenizer(artifacts.model_dir)
     model = load_causal_lm(artifacts.model_dir).eval()
     problems = load_gsm8k(artifacts.val_file, cfg.data.val_split)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from rlhf.labels import kl_overrides, parse_kl_tag, run_label
 from rlhf.config import load_config
-from rlhf.embedded import cache_entry
+from rlhf.embedded import cache_entry, embedded_options
 from rlhf.tracking import read_metrics
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -247,7 +247,7 @@ def job_env(env: dict | None, jobs: int) -> dict | None:
 def warm_start_cached(cfg) -> bool:
     """Whether a run of `cfg` (a Config) finds what it loads already built: its model is not the embedded
     default, or the embedded default's warm start is in its `trainer.cache_dir`."""
-    return cfg.model.path != "embedded" or os.path.isdir(cache_entry(cfg.trainer.cache_dir, cfg.embedded))
+    return cfg.model.path != "embedded" or os.path.isdir(cache_entry(cfg.trainer.cache_dir, embedded_options(cfg)))
 
 
 def _train(config: str, overrides: list[str], directory: str, env: dict | None, title: str = "") -> str:

@@ -38,7 +38,7 @@ def prediction(runs: list[Run]) -> dict | None:
     limit times it. None unless every run is the embedded default with val/habit_rate logged and its warm
     start cached."""
     from rlhf.config import from_dict
-    from rlhf.embedded import cache_entry, embedded_cache_dir
+    from rlhf.embedded import cache_entry, embedded_cache_dir, embedded_options
     from lab.habit import held_out_problems, predict
     from rlhf.models import load_causal_lm, load_tokenizer
 
@@ -47,7 +47,7 @@ def prediction(runs: list[Run]) -> dict | None:
     if not starts or any(c["model"]["path"] != "embedded" or c["data"]["val_files"] != "embedded" for c in configs):
         return None
     cfg = from_dict(configs[0])
-    if not os.path.isdir(cache_entry(embedded_cache_dir(cfg), cfg.embedded)):
+    if not os.path.isdir(cache_entry(embedded_cache_dir(cfg), embedded_options(cfg))):
         return None
     betas = sorted({c["actor"]["kl_loss_coef"] for c in configs} | {c["algorithm"]["kl_ctrl"]["kl_coef"] for c in configs})
     artifacts, problems = held_out_problems(cfg)
