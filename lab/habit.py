@@ -47,20 +47,18 @@ def greedy_counts(model, tokenizer, problems, max_prompt_length: int, max_respon
 # ----------------------------------------------------------------------------- where a KL keeps the habit
 
 
-@torch.no_grad()
-def decision_probabilities(model, tokenizer, problems, temperature: float = 1.0) -> torch.Tensor:
-    """(N, 3) float64: for each held-out problem whose first step's result is not its answer (N of them), the
-    policy's probabilities at the habit's decision token, [habit, right, any other token].
+def decision_contexts(tokenizer, problems) -> list[tuple[list[int], int, int]]:
+    """[(context ids, habit token id, right token id)] for each problem whose first step's result is not its
+    answer: the prompt and the right response up to the habit's decision token (decision_probabilities).
 
     The decision token is the first token where the response that reports the first step's result differs
     from the right response, both with the right reasoning lines ("...\n#### 12" against "...\n#### 2"):
-    the first digit after `#### `, or a later one when the two numbers share their first digits. The policy
-    is the sampling one, softmax(logits / temperature)."""
+    the first digit after `#### `, or a later one when the two numbers share their first digits."""
     from rlhf.data import build_prompt
     from rlhf.embedded import answer_with_first_result
 
     add_special_tokens = not getattr(tokenizer, "chat_template", None)  # as rlhf.data.tokenize_prompts
-    rows = []
+    out = []
     for question, answer in zip(problems["question"], problems["answer"]):
         habit = answer_with_first_result(answer)
         if habit == answer:  # one-step problems, and those whose first result is the answer: no habit to drop
@@ -70,9 +68,20 @@ def decision_probabilities(model, tokenizer, problems, temperature: float = 1.0)
         right_ids, habit_ids = (tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                                 for text in (answer, habit))
         at = next(i for i, (a, b) in enumerate(zip(right_ids, habit_ids)) if a != b)
-        logits = model(input_ids=torch.tensor([prompt + right_ids[:at]])).logits[0, -1].double()
+        out.append((prompt + right_ids[:at], habit_ids[at], right_ids[at]))
+    return out
+
+
+@torch.no_grad()
+def decision_probabilities(model, tokenizer, problems, temperature: float = 1.0) -> torch.Tensor:
+    """(N, 3) float64: for each held-out problem whose first step's result is not its answer (N of them), the
+    policy's probabilities at the habit's decision token, [habit, right, any other token] (decision_contexts).
+    The policy is the sampling one, softmax(logits / temperature)."""
+    rows = []
+    for context, habit, right in decision_contexts(tokenizer, problems):
+        logits = model(input_ids=torch.tensor([context])).logits[0, -1].double()
         probs = torch.softmax(logits / temperature, -1)
-        q, p = probs[habit_ids[at]].item(), probs[right_ids[at]].item()
+        q, p = probs[habit].item(), probs[right].item()
         rows.append([q, p, 1.0 - q - p])
     return torch.tensor(rows, dtype=torch.float64)
 
@@ -98,8 +107,9 @@ def solver_limits(ref_probs: torch.Tensor, beta: float, advantage: str = "rloo",
                   ) -> dict[str, torch.Tensor]:
     """(N,) the habit's probability where the exact solver (lab.theory.fixed_points) takes k3 and k3+ in
     the loss from each decision of `ref_probs` (N, 3), under the trainer's advantage estimator `advantage`
-    with group size n: habit_limits' two optima where the clamp and the estimator leave them (RLOO, beta >=
-    0.15), elsewhere the corner or the point the estimator moves them to (docs/kl.md)."""
+    with group size n: habit_limits' two optima where the clamp and the estimator leave them (RLOO, where the
+    forward optimum lies inside k3's clamp edge: beta above ~0.074 on the embedded default's decisions),
+    elsewhere the corner or the point the estimator moves them to (docs/kl.md, "verl's clamp")."""
     from lab.theory.fixed_points import bandit_fixed_point
 
     rewards = torch.tensor(DECISION_REWARDS, dtype=torch.float64)

@@ -793,7 +793,8 @@ def test_claims_by_hand(claim_grid):
     #  seeds it needs t(n-1) / sqrt(n) < 0.333 / 0.208 = 1.601: n = 4 (3.182 / 2 = 1.591).
     #  reward:k3 − reward:k1: 0.7, 0.4, 0.7: +0.600 ± 0.430; − no KL: 0.2, 0.3, 0.3: +0.267 ± 0.143.
     #  crossover, forward: k3 − k3+ = -0.1, -0.2, -0.1: -0.133 ± 0.143, not resolved, n = 4 (t(3) / 2 =
-    #  1.591 < 0.133 / 0.0577 = 2.309; n = 3 gives 2.484); reverse: k3+ − k3 = -0.2, -0.3, -0.2: resolved.
+    #  1.591 < 0.133 / 0.0577 = 2.309; n = 3 gives 2.484); reverse: k3+ − k3 = -0.2, -0.3, -0.2: measured
+    #  lower (no direction is claimed for either: none is derived for this reward).
     assert got == [
         ("(a)", "kl/full: loss:k2 − no-kl", "-0.867 ± 0.143 (3 seeds)", "resolved"),
         ("(a)", "kl/full: loss:k3+ − no-kl", "-0.867 ± 0.143 (3 seeds)", "resolved"),
@@ -807,7 +808,7 @@ def test_claims_by_hand(claim_grid):
         ("(e)", "every logged number of loss:k2 and loss:k3+, step by step, seed by seed",
          "75 values equal (3 seeds × 7 logged steps)", "resolved"),
         ("crossover", "kl/full_forward: loss:k3 − loss:k3+", "-0.133 ± 0.143 (3 seeds)", "not resolved (~4 seeds)"),
-        ("crossover", "kl/full: loss:k3+ − loss:k3", "-0.233 ± 0.143 (3 seeds)", "resolved"),
+        ("crossover", "kl/full: loss:k3+ − loss:k3", "-0.233 ± 0.143 (3 seeds)", "measured: lower"),
     ]
     (b,) = [c for c in results if c.name == "(b)"]
     assert b.difference.values == pytest.approx((0.05, -0.05, 0.1))
@@ -910,7 +911,7 @@ def habit_rows(habit: float, forward: float) -> list[dict]:
 def test_habit_claims_pair_k3_with_k3_plus_by_seed(tmp_path):
     """k3 keeps 0.10 of the habit and k3+ 0.20 (+-0.01 by seed): the paired k3 - k3+ resolves below 0, so the
     claim is resolved when the prediction says less (-1), contradicted when it says more (+1); the forward KL
-    of k3 below k3+'s resolves; accuracy is measured, not claimed. The report shows both columns."""
+    is measured (lower), with no direction claimed; accuracy is measured, not claimed. The report shows both columns."""
     for seed, noise in zip((1, 2, 3), (-0.01, 0.0, 0.012)):
         write_run(tmp_path / "loss-k3" / f"seed{seed}", seed, habit_rows(0.10 + noise, 0.05),
                   actor__use_kl_loss=True, actor__kl_loss_type="k3")
@@ -923,7 +924,7 @@ def test_habit_claims_pair_k3_with_k3_plus_by_seed(tmp_path):
         by_measure = {c.measure: c for c in habit_claims(groups, sign)}
         habit = by_measure["val/habit_rate (end of run): loss:k3 − loss:k3+"]
         assert habit.verdict == expected and habit.difference.mean == pytest.approx(-0.1 + 0.0002 / 3)
-        assert by_measure["kl/full_forward (end of run): loss:k3 − loss:k3+"].verdict == "resolved"
+        assert by_measure["kl/full_forward (end of run): loss:k3 − loss:k3+"].verdict == "measured: lower"
         assert by_measure["val/habit_rate (end of run): loss:k3 − loss:k2"].verdict.startswith("not measured")
         assert by_measure["val/accuracy (end of run): loss:k3 − loss:k3+"].verdict.startswith("not resolved")
     _, md = compare.write_report(str(tmp_path))
@@ -946,3 +947,18 @@ def test_second_half_measures_how_far_a_run_still_moved(tmp_path):
     assert second_half("val/habit_rate")(run) == pytest.approx(0.25 - 0.3)
     assert second_half("kl/full")(run) == pytest.approx(0.01 * (18 - 8))  # steps 16-20 against 6-10
     assert second_half("kl/full_forward")(run) is None
+
+
+def test_the_habit_claims_direction_is_the_solvers_not_written_in():
+    """predicted_sign reads the direction off the solver's limits: k3 keeping more habit than k3+ at beta gives
+    +1, less -1, no prediction None; and no KL claim of lab.compare carries a written-in direction (every
+    crossover and forward-KL claim is measured)."""
+    from lab.compare.claims import claims
+    from lab.compare.habit import habit_claims, predicted_sign
+
+    pred = {"betas": {0.3: {"k3": 0.13, "k3+": 0.26}, 0.2: {"k3": 0.09, "k3+": 0.05}}}
+    assert predicted_sign(pred, 0.3) == -1 and predicted_sign(pred, 0.2) == 1
+    assert predicted_sign(None, 0.3) is None and predicted_sign(pred, 0.1) is None
+    crossover = [c for c in claims([]) if c.name == "crossover"]
+    assert len(crossover) == 2 and all("no direction" in c.text for c in crossover)
+    assert habit_claims([], -1) == []

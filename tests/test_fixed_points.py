@@ -711,3 +711,70 @@ def test_tree_plain_flow_under_whitened_advantages_ends_in_another_corner_than_t
     plain = joint(fp.tree_plain_flow(REF1, REF2, R, BETA, "k2", "loss", advantage="gae"))
     assert plain[1, 2] > 0.99 and plain.sum() == pytest.approx(1, abs=1e-12)
     assert solver[0].sum() > 0.5 and optima.tv(plain, solver) > 0.9
+
+
+# ---------------------------------------------------------------------------------------------------------
+# k3's value clamp: the solver's answer is the small-step flow's, whatever its step size
+
+DECISION_REF, DECISION_REWARDS = T(0.8, 0.04, 0.16), T(0.0, 1.0, 0.0)
+K3_EDGE = -2.6115  # d below which verl's clamp saturates k3 at 10 (expm1(-d) + d = 10)
+
+
+def test_k3_edge_is_where_the_clamp_saturates():
+    below, above = T(K3_EDGE - 1e-3), T(K3_EDGE + 1e-3)
+    from rlhf.kl import kl_penalty
+    assert kl_penalty(below, T(0.0), "k3").item() == 10.0 and kl_penalty(above, T(0.0), "k3").item() < 10.0
+
+
+@pytest.mark.parametrize("beta, inside", [(0.074, True), (0.08, True), (0.1, True), (0.15, True), (0.06, False)])
+def test_k3_loss_fixed_point_is_the_small_step_flows_on_both_sides_of_the_clamp(beta, inside):
+    """At (q, p, o) = (0.8, 0.04, 0.16), rewards (0, 1, 0): the forward optimum's d = log(beta / lam) lies inside
+    the clamp's edge from beta ~0.0735 up (0.074: 0.005 nats inside; 0.08: 0.08), past it below (0.06). The
+    solver reports the point the natural-gradient flow it follows reaches at small steps (lr 0.01 to 1): the
+    optimum inside, the corner past the edge; from 0.08 up the plain-gradient flow (lr 0.3 to 3) agrees."""
+    forward = optima.forward_kl_optimum(DECISION_REF, DECISION_REWARDS, beta)
+    d_optimum = math.log(forward[0].item() / DECISION_REF[0].item())
+    assert (d_optimum > K3_EDGE) == inside
+    solved = bandit_fixed_point(DECISION_REF, DECISION_REWARDS, beta, "k3", "loss")
+    if inside:
+        assert torch.allclose(solved, forward, atol=1e-9, rtol=0)
+        for lr in (0.01, 0.1, 1.0):
+            flow = fp.bandit_plain_flow(DECISION_REF, DECISION_REWARDS, beta, "k3", "loss", lr=lr, natural=True,
+                                        max_steps=int(20 / lr) + 2000)
+            assert torch.allclose(flow, solved, atol=1e-6, rtol=0), lr
+        for lr in (0.3, 1.0, 3.0) if beta >= 0.08 else ():
+            flow = fp.bandit_plain_flow(DECISION_REF, DECISION_REWARDS, beta, "k3", "loss", lr=lr)
+            assert torch.allclose(flow, solved, atol=1e-6, rtol=0), lr
+    else:
+        assert solved[0].item() < 1e-12  # the corner: past the edge nothing holds the habit
+        for natural in (True, False):
+            flow = fp.bandit_plain_flow(DECISION_REF, DECISION_REWARDS, beta, "k3", "loss", lr=1.0, max_steps=3000,
+                                        natural=natural)
+            d_flow = math.log(flow[0].item() / DECISION_REF[0].item())
+            assert d_flow < K3_EDGE - 1.0 and flow[0].item() < forward[0].item() / 3  # crossed, and still dying
+
+
+def test_near_the_edge_the_path_decides():
+    """At beta = 0.076 the optimum sits 0.03 nats inside the edge: the natural-gradient flow stops on it, the
+    plain-gradient flow (tokens move at the rate pi, the dying ones slowest) passes the edge and the habit dies."""
+    beta = 0.076
+    natural = fp.bandit_plain_flow(DECISION_REF, DECISION_REWARDS, beta, "k3", "loss", lr=0.1, natural=True)
+    plain = fp.bandit_plain_flow(DECISION_REF, DECISION_REWARDS, beta, "k3", "loss", lr=1.0, max_steps=5000)
+    assert natural[0].item() > 0.05 and plain[0].item() < 1e-3
+
+
+@pytest.mark.parametrize("beta", [0.08, 0.1])
+@pytest.mark.parametrize("advantage, n", [("exact", None), ("rloo", 4)])
+def test_the_solvers_step_size_does_not_change_its_answer(beta, advantage, n, monkeypatch):
+    """The same fixed point from initial steps 0.05 to 50 (in 1/beta) and moves capped at 0.05 to 3 nats a step:
+    before the step control probed its moves, a long step jumped the window between the optimum and the
+    clamp's edge and reported the corner."""
+    answers = []
+    for initial, cap in ((0.05, 0.05), (0.5, 0.5), (50.0, 3.0), (5.0, 1.5)):
+        monkeypatch.setattr(fp, "_STEP", initial)
+        monkeypatch.setattr(fp, "_MAX_MOVE", cap)
+        answers.append(bandit_fixed_point(DECISION_REF, DECISION_REWARDS, beta, "k3", "loss", advantage=advantage,
+                                          n=n, max_steps=100_000))
+    for other in answers[1:]:
+        assert torch.allclose(other, answers[0], atol=1e-9, rtol=0)
+    assert answers[0][0].item() > 0.05  # the floor, not the corner

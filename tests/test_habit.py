@@ -161,14 +161,19 @@ def test_the_reverse_kl_keeps_more_habit_where_the_reference_barely_knows_the_an
     assert limits["reverse"][1] > 0.5
 
 
-def test_k3s_clamp_lets_the_habit_go_below_its_floor_at_small_coefficients():
-    """verl's clamp stops k3's pull once d < -2.61: at beta = 0.1 the solver's k3 path crosses it and ends on
-    the argmax corner, not the forward-KL optimum, which is why the binding regime's coefficient is 0.2."""
+def test_k3s_clamp_removes_the_floor_only_where_the_optimum_lies_past_its_edge():
+    """verl's clamp stops k3's pull once d < -2.61. At the forward optimum every token scored 0 has
+    d = log(beta / lam): -2.31 at beta = 0.1 on this decision, inside the edge, and the solver stops there (not
+    on the argmax corner); at beta = 0.06 (d = -2.82) the optimum lies past the edge and the habit dies."""
     from lab.theory.fixed_points import bandit_fixed_point
 
     row, rewards = decisions([0.82, 0.10, 0.08])[0], torch.tensor(DECISION_REWARDS, dtype=torch.float64)
-    assert habit_limits(row[None], 0.1)["forward"].item() > 0.05
-    assert bandit_fixed_point(row, rewards, 0.1, "k3", "loss", advantage="rloo", n=4)[0] < 1e-9
+    inside = habit_limits(row[None], 0.1)["forward"].item()
+    assert -2.4 < torch.log(torch.tensor(inside / 0.82)).item() < -2.2
+    assert abs(bandit_fixed_point(row, rewards, 0.1, "k3", "loss", advantage="rloo", n=4)[0] - inside) < 1e-9
+    past = habit_limits(row[None], 0.06)["forward"].item()
+    assert torch.log(torch.tensor(past / 0.82)).item() < -2.62
+    assert bandit_fixed_point(row, rewards, 0.06, "k3", "loss", advantage="rloo", n=4)[0] < 1e-9
 
 
 def test_decision_probabilities_find_the_decision_token():
@@ -196,3 +201,27 @@ def test_decision_probabilities_find_the_decision_token():
     assert probs.shape == (2, 3)  # the one-step problem has no habit to drop
     assert contexts[0].endswith("#### ") and contexts[1].endswith("#### 1")
     assert torch.allclose(probs.sum(-1), torch.ones(2, dtype=torch.float64))
+
+
+def test_decision_probabilities_read_the_habit_and_the_right_token_in_that_order():
+    """On a model whose probabilities at every position are set (the habit's token 0.6, the right one 0.1, the
+    rest spread evenly), the rows read [habit, right, rest] = [0.6, 0.1, 0.3]: swapping the two columns, or
+    reading the tokens of another position, fails."""
+    from rlhf.embedded import answer_with_first_result, train_tokenizer
+
+    problems = {"question": ["Tom has 3. He gets 4 more, then doubles it. How many?"], "answer": [ANSWER]}
+    tokenizer = train_tokenizer(problems["question"] + problems["answer"] * 20 + ["#### 7"] * 20, 128)
+    right_ids = tokenizer(ANSWER, add_special_tokens=False)["input_ids"]
+    habit_ids = tokenizer(answer_with_first_result(ANSWER), add_special_tokens=False)["input_ids"]
+    at = next(i for i, (a, b) in enumerate(zip(right_ids, habit_ids)) if a != b)
+    habit, right = habit_ids[at], right_ids[at]
+    assert habit != right
+    probs = torch.full((len(tokenizer),), 0.3 / (len(tokenizer) - 2), dtype=torch.float64)
+    probs[habit], probs[right] = 0.6, 0.1
+
+    class Set(torch.nn.Module):
+        def forward(self, input_ids):
+            return type("Out", (), {"logits": probs.log().float().expand(1, input_ids.shape[1], -1)})
+
+    row = decision_probabilities(Set(), tokenizer, problems)[0]
+    assert torch.allclose(row, torch.tensor([0.6, 0.1, 0.3], dtype=torch.float64), atol=1e-6)

@@ -7,8 +7,8 @@ beta q / (1 + beta) of it at each decision where the reference gives it q, while
 reward and k2, k3+, full in the loss keeps the reference's share tilted by e^(-1/beta), which is more where the
 reference gives the right answer almost nothing. `prediction` reads the reference's probabilities at the
 decision token off the runs' own warm start and says which of the two keeps more habit at the runs' coefficient;
-`habit_claims` judges that on the sampled `val/habit_rate` at the end of the runs, paired by seed, and the
-forward KL's order next to it.
+`habit_claims` judges that on the sampled `val/habit_rate` at the end of the runs, paired by seed, and
+measures the forward KL next to it (no direction: the fixed points order it only at the decision token).
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ def predicted_sign(pred: dict | None, beta: float) -> int | None:
 
 def habit_claims(groups: list[Group], sign: int | None) -> list[Claim]:
     """k3 in the loss against k3+ and against k2 in the loss: the sampled habit rate at the end (in the
-    predicted direction `sign`, or just measured), the forward KL over the last steps (k3 below), and the
-    greedy and sampled accuracy (measured). [] when no run logged val/habit_rate."""
+    direction `sign` the solver's fixed points give, predicted_sign, or just measured), and the forward KL over
+    the last steps and the greedy and sampled accuracy, measured: the fixed points order the KLs only at the
+    decision token, not over a response's tokens. [] when no run logged val/habit_rate."""
     by_label = {group.label: group for group in groups}
     if not any(run.final(HABIT) is not None for group in groups for run in group.runs):
         return []
@@ -103,8 +104,8 @@ def habit_claims(groups: list[Group], sign: int | None) -> list[Claim]:
         name = other.split(":")[1]
         out.append(difference_claim(by_label, "habit", f"k3 in the loss keeps {more} of the habit than {name} "
                                     "(prediction)", "loss:k3", other, HABIT, sign, final(HABIT), END))
-        out.append(difference_claim(by_label, "habit", f"k3 in the loss holds the forward KL below {name}", "loss:k3",
-                                    other, FORWARD, -1, when=END))
+        out.append(difference_claim(by_label, "habit", f"k3 in the loss against {name}, forward KL", "loss:k3",
+                                    other, FORWARD, None, when=END))
     for key in ("val/accuracy", SAMPLED_ACCURACY):
         out.append(difference_claim(by_label, "habit", f"k3 against k3+ in the loss, {key}", "loss:k3", "loss:k3+",
                                     key, None, final(key), END))

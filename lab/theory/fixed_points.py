@@ -120,8 +120,53 @@ def _start_logits(probs: torch.Tensor) -> torch.Tensor:
     return (z - z.max(-1, keepdim=True).values).clamp_min(-_FLOOR)
 
 
+_PROBE_SPACING = 0.002  # nats between the points where a move is checked (_probed_moves)
+_MAX_HALVINGS = 60
+_NOISE = 1e-9  # a direction smaller than this is rounding near rest, not a turn
+
+
+def _probed_moves(penalties, logits, hs, ps, steps, pinned, kinked, beta: float):
+    """Each state's move (step * h, at most _MAX_MOVE a logit), halved until the KL loss's pull does not turn
+    the flow back anywhere along it: at points _PROBE_SPACING apart (in the largest logit's move), a free
+    token's direction with its penalty taken there, h - beta (p(probe) - p(start)), must not have turned
+    against h (by more than a tenth of the state's largest |h|, plus _NOISE): the flow would have stopped
+    before the move's end.
+
+    Without it a step could carry a token across its stationary point and on past an edge where its
+    penalty's derivative jumps: past k3's value clamp (d below -2.61) the KL loss no longer pulls a token
+    back, so a step that jumps the window between the fixed point and the edge lands where nothing stops the
+    token from dying, a corner the small-step flow never reaches (the window is 0.08 nats wide at beta = 0.08
+    on a decision of the embedded default). Only a token that moves itself (a tenth of the state's largest
+    move) counts, kinked tokens (abs at pi = ref) are left to _ascend's pinning, and `penalties` None (a KL
+    in the reward, whose penalty is a value, continuous at the clamp) skips the check. The steps themselves
+    are kept (only this iteration's move is halved, as often as needed), so a shortened move never passes
+    for rest; returns (the moves, whether one was shortened)."""
+    rejected = False
+    scales = [torch.ones(h.shape[:-1] + (1,), dtype=h.dtype) for h in hs]
+    for _ in range(_MAX_HALVINGS):
+        moves = [scale * (step * h).clamp(-_MAX_MOVE, _MAX_MOVE) for scale, step, h in zip(scales, steps, hs)]
+        if penalties is None:
+            return moves, rejected
+        bad = []
+        for i, (z, move, h, p) in enumerate(zip(logits, moves, hs, ps)):
+            count = max(4, math.ceil(move.abs().max().item() / _PROBE_SPACING))
+            fractions = torch.arange(1, count + 1, dtype=z.dtype) / count
+            probes = z + fractions.view(-1, *[1] * z.dim()) * move  # (count, ..., K)
+            h_probe = h - beta * (penalties(i, probes) - p)
+            scale = h.abs().amax(-1, keepdim=True)
+            own = move.abs() > 0.1 * move.abs().amax(-1, keepdim=True)  # it moved, not only the others
+            turned = (h_probe * h < 0) & (h_probe.abs() > 0.1 * scale + _NOISE) & own & ~kinked[i] & ~pinned[i]
+            bad.append(turned.any(0).any(-1, keepdim=True))
+        if not any(flag.any() for flag in bad):
+            return moves, rejected
+        rejected = True
+        for scale, flag in zip(scales, bad):
+            scale.mul_(torch.where(flag, 0.5, 1.0))
+    return moves, rejected
+
+
 def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_steps: int, tol: float,
-            measure=None, start: list[torch.Tensor] | None = None):
+            measure=None, start: list[torch.Tensor] | None = None, penalties=None):
     """Natural-gradient ascent z += eta * (A - E_pi A) on each state's logits until no probability moves by > tol.
 
     `advantages(logits) -> [(base, p)]`, one pair per logits tensor, each token's expected advantage being
@@ -129,7 +174,8 @@ def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_
     advantage estimator's E[A | token]), p the KL loss's share (or the penalty in the reward). `measure(probs)`
     returns the probabilities whose moves decide convergence (default: every state's own). The ascent starts
     from pi_ref, or from the probabilities `start` (one per tensor of refs). `kinks` holds each tensor's
-    _one_sided penalties. Where p jumps at pi = ref (abs in the loss) the flow slides along pi_x = ref_x while
+    _one_sided penalties; `penalties(i, logits)`, tensor i's KL-loss p at any logits (None for a KL in the
+    reward), lets _probed_moves check each move. Where p jumps at pi = ref (abs in the loss) the flow slides along pi_x = ref_x while
     E_pi[A] over the other tokens stays within the jump (the subgradient condition); plain steps would chatter
     across the kink, so such a token is pinned to ref once it crosses it and freed when the condition fails.
     Returns the probabilities; raises RuntimeError after max_steps.
@@ -146,7 +192,7 @@ def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_
     # from the floor at _MAX_MOVE a step.
     min_steps = 0 if start is None else 2 * math.ceil(_FLOOR / _MAX_MOVE)
     for step_index in range(max_steps):
-        new_logits, hs = [], []
+        new_logits, hs, ps = [], [], []
         for i, (base, p) in enumerate(advantages(logits)):
             (below, above), pi, pin = kinks[i], probs[i], pinned[i]
             for _ in range(2):  # E_pi[A] over the free tokens; again if a token was just freed
@@ -163,21 +209,34 @@ def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_
             step[h * previous[i] < 0] *= 0.5  # overshoot: halve this token's step
             step[h * previous[i] > 0] *= 1.2  # same direction again: lengthen it (to _MAX_MOVE a step)
             step.clamp_(max=_MAX_STEP / beta)
-            z = logits[i] + (step * h).clamp(-_MAX_MOVE, _MAX_MOVE)
+            hs.append(h)
+            ps.append(p)
+            pinned[i] = pin
+        moves, rejected = _probed_moves(penalties, logits, hs, ps, steps, pinned, kinked, beta)
+        for i, h in enumerate(hs):
+            pin = pinned[i]
+            z = logits[i] + moves[i]
             side = torch.sign(torch.log_softmax(z, -1) - refs[i].log())
             pin = pin | (kinked[i] & (side * sides[i] < 0))
             z = _pin(z, pin, refs[i]) if pin.any() else z
             z = z - z.max(-1, keepdim=True).values
             new_logits.append(z.clamp_min(-_FLOOR))
-            hs.append(h)
             pinned[i], sides[i] = pin, torch.where(pin, 0.0, side)  # a pinned token sits on ref: no side
         new_probs = [torch.softmax(z, -1) for z in new_logits]
         seen, before = (new_probs, probs) if measure is None else (measure(new_probs), measure(probs))
         moved = max((p - q).abs().max().item() for p, q in zip(seen, before))
         logits, probs, previous = new_logits, new_probs, hs
-        if moved <= tol and step_index >= min_steps:
+        if moved <= tol and step_index >= min_steps and not rejected:  # a shortened step is no sign of rest
             return probs
     raise RuntimeError(f"not converged after {max_steps} steps (a probability still moved by {moved:.3g})")
+
+
+def _penalties(refs: list[torch.Tensor], estimator: str, placement: str):
+    """_ascend's `penalties`: (i, logits (..., K)) -> the KL loss's p at those logits against refs[i]; None in the
+    reward (the penalty there is a value, continuous at the clamp, and the group models scale it)."""
+    if placement != "loss":
+        return None
+    return lambda i, logits: token_penalty(logits, refs[i].expand_as(logits), estimator, placement)
 
 
 def _model(advantage: str, n: int | None) -> AdvantageModel:
@@ -228,7 +287,7 @@ def bandit_fixed_point(
 
     kinks = [_one_sided(ref_probs, estimator, placement)]
     (probs,) = _ascend(advantages, [ref_probs], beta, kinks, max_steps, tol,
-                       start=None if start is None else [start])
+                       start=None if start is None else [start], penalties=_penalties([ref_probs], estimator, placement))
     return probs
 
 
@@ -299,7 +358,8 @@ def tree_fixed_point(
     # is then judged on pi(a, b), what training sees.
     measure = (lambda probs: [probs[0][:, None] * probs[1]]) if model.advantage == "grpo" else None
     first, second = _ascend(advantages, [ref_first, ref_second], beta, kinks, max_steps, tol, measure,
-                            None if start is None else list(start))
+                            None if start is None else list(start),
+                            _penalties([ref_first, ref_second], estimator, placement))
     return first, second
 
 
@@ -350,3 +410,36 @@ def tree_plain_flow(
         z1 = z1 + lr * first * (a1 - (first * a1).sum())
         z2 = z2 + lr * first[:, None] * second * (a2 - (second * a2).sum(-1, keepdim=True))
     return torch.softmax(z1, -1), torch.softmax(z2, -1)
+
+
+def bandit_plain_flow(
+    ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str, placement: str, *,
+    advantage: str = "exact", n: int | None = None, lr: float = 0.1, max_steps: int = 200_000, tol: float = 1e-12,
+    natural: bool = False,
+) -> torch.Tensor:
+    """(K,) where plain gradient ascent on the bandit's logits stops: z += lr * pi (A - E_pi A), from pi_ref,
+    A = base - beta p of bandit_fixed_point's advantage model; stopped once no probability moves by more than
+    tol * lr in a step (or after max_steps, where a corner is still being approached at 1/t).
+
+    The same expected gradient as bandit_fixed_point without its step control: at a small lr it follows the
+    gradient flow, so its end is the fixed point that flow reaches, the check that the solver's answer does not
+    depend on its steps (k3's value clamp is where it could: a long step jumps the edge the flow stops short of).
+    `natural`: z += lr * (A - E_pi A), the natural-gradient flow the solver follows (the same fixed points; the
+    path differs, and where a path can cross k3's edge, which path decides whether the token survives).
+    """
+    _check(ref_probs, beta, estimator, placement)
+    model = _model(advantage, n)
+    z = ref_probs.log().clamp_min(-_FLOOR)
+    pi = torch.softmax(z, -1)
+    for _ in range(max_steps):
+        base, p = _bandit_advantages(model, z, rewards, beta, token_penalty(z, ref_probs, estimator, placement),
+                                     placement)
+        a = base - beta * p
+        z = z + lr * (1.0 if natural else pi) * (a - (pi * a).sum())
+        z = (z - z.max()).clamp_min(-_FLOOR)
+        new = torch.softmax(z, -1)
+        moved = (new - pi).abs().max().item()
+        pi = new
+        if moved <= tol * lr:
+            break
+    return pi
