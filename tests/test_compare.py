@@ -172,10 +172,11 @@ def runner_config(spec: dict, arm: compare.Arm, seed: int | None) -> Config:
 
 
 def test_every_sweep_file_is_listed():
-    assert sorted(os.listdir(SWEEP_DIR)) == sorted(SWEEPS)
+    """The comparison's sweeps (SWEEPS), and lab.decisions' own (tests/test_decisions.py)."""
+    assert sorted(os.listdir(SWEEP_DIR)) == sorted([*SWEEPS, "decisions.yaml"])
 
 
-@pytest.mark.parametrize("name", SWEEPS)
+@pytest.mark.parametrize("name", [*SWEEPS, "decisions.yaml"])
 def test_sweep_file_validates_against_the_wandb_schema(name):
     validator = jsonschema.Draft7Validator(wandb_sweep_schema(), format_checker=jsonschema.FormatChecker())
     sweep = load_sweep(name)
@@ -881,7 +882,8 @@ def test_claim_b_says_where_k1_in_the_loss_ends_when_that_resolves(claim_grid, a
 def test_the_binding_regime_runs_rloo_at_a_coefficient_kept_by_the_clamp():
     """Its runs hold the issue's list; each run's config is RLOO (its advantages leave the coefficient as set)
     with one coefficient in both places; and at that coefficient the solver takes k3 in the loss onto the
-    forward-KL optimum (verl's clamp sends it to the corner at 0.1) for a typical decision of the habit."""
+    forward-KL optimum for a typical decision of the habit, as it does at 0.1; verl's clamp sends it to the corner
+    only where the optimum itself lies past the clamp's edge (here below a coefficient of about 0.075)."""
     import torch
 
     from lab.habit import DECISION_REWARDS, habit_limits
@@ -896,7 +898,7 @@ def test_the_binding_regime_runs_rloo_at_a_coefficient_kept_by_the_clamp():
         assert cfg.actor.kl_loss_coef == cfg.algorithm.kl_ctrl.kl_coef == regime.kl_coef
     rewards = torch.tensor(DECISION_REWARDS, dtype=torch.float64)
     row = torch.tensor([0.82, 0.10, 0.08], dtype=torch.float64)  # a decision of the warm start's (q, p, other)
-    for beta, lands in ((regime.kl_coef, True), (0.1, False)):
+    for beta, lands in ((regime.kl_coef, True), (0.1, True), (0.07, False)):
         k3 = bandit_fixed_point(row, rewards, beta, "k3", "loss", advantage="rloo", n=4)[0].item()
         assert (abs(k3 - habit_limits(row[None], beta)["forward"].item()) < 1e-9) == lands, beta
 
