@@ -44,6 +44,12 @@ resumes from the one before (`trainer.resume_from=auto`) and repeats the last st
 - speed: each step's tokens per second (perf/throughput: prompt and response tokens over the step's time, which
   includes an evaluation where there is one) and the same without the evaluation's time.
 Results go to <output>/results.json and are printed, one per line; the last line says PASSED or FAILED.
+
+The recipe runs under bf16 autocast, so on a CPU every matmul is bf16. torch multiplies bf16 matrices fast
+only where the CPU has AVX-512 (oneDNN); elsewhere (AVX2 only) it falls back to a plain single-threaded loop,
+measured at 0.4 GFLOP/s against 66.5 in float32 on a 2-core AMD EPYC without AVX-512, which would make a
+real-width step take hours. The script measures both rates first (cpu_matmul_gflops in results.json) and
+stops where bf16 is more than 10 times slower than float32, unless --allow-slow-bf16.
 """
 
 from __future__ import annotations
@@ -174,6 +180,17 @@ def finite_rows(rows: list[dict]) -> bool:
     return all(math.isfinite(v) for row in rows for v in row.values() if isinstance(v, (int, float)))
 
 
+def matmul_gflops(dtype: torch.dtype, rows: int = 256, cols: int = 1024, repeats: int = 2) -> float:
+    """GFLOP/s of a (rows x hidden) @ (hidden x cols) matmul in `dtype` on this CPU (hidden: Qwen2.5-0.5B's)."""
+    hidden = QWEN2_5_0_5B["hidden_size"]
+    a, b = torch.randn(rows, hidden).to(dtype), torch.randn(hidden, cols).to(dtype)
+    a @ b  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * rows * hidden * cols * repeats / (time.perf_counter() - start) / 1e9
+
+
 def speed(steps: list[dict]) -> dict[str, list[float]]:
     """Each step's tokens per second: perf/throughput (over the whole step, an evaluation included where the
     step has one) and over the step's time less its evaluation's (timing_s/testing)."""
@@ -200,6 +217,8 @@ def main() -> None:
     parser.add_argument("--val-samples", type=int, default=4, help="held-out problems per evaluation")
     parser.add_argument("--gpu", action="store_true", help="keep the recipe's batch sizes (on a GPU machine)")
     parser.add_argument("--output", default=os.path.join(REPO, "outputs", "rehearsal"))
+    parser.add_argument("--allow-slow-bf16", action="store_true",
+                        help="run on a CPU whose bf16 matmuls are more than 10x slower than float32 (hours)")
     args = parser.parse_args()
     if args.gpu and not torch.accelerator.is_available():
         sys.exit("--gpu needs a GPU (or another accelerator); torch sees none")
@@ -210,6 +229,15 @@ def main() -> None:
     if args.prompts is None:
         args.prompts = 4 if recipe_cfg.rollout.n == 1 else 1
 
+    cpu_gflops = None
+    if not args.gpu:
+        cpu_gflops = {"float32": matmul_gflops(torch.float32), "bfloat16": matmul_gflops(torch.bfloat16)}
+        print(f"this CPU's matmuls: {cpu_gflops['float32']:.1f} GFLOP/s in float32, "
+              f"{cpu_gflops['bfloat16']:.1f} in bfloat16", flush=True)
+        if cpu_gflops["bfloat16"] * 10 < cpu_gflops["float32"] and not args.allow_slow_bf16:
+            sys.exit("bf16 matmuls are more than 10x slower than float32 on this CPU (no AVX-512: torch's reference "
+                     "GEMM), and the recipe runs under bf16 autocast: a real-width step would take hours. Run the "
+                     "rehearsal on a CPU with AVX-512 or on a GPU (--gpu), or pass --allow-slow-bf16.")
     out = os.path.abspath(args.output)
     model_dir, data_dir, run_dir = (os.path.join(out, name) for name in ("model", "data", "run"))
     shutil.rmtree(out, ignore_errors=True)
@@ -247,7 +275,8 @@ def main() -> None:
     panel = {key: last_a[key] for key in ("kl/k1", "kl/k2", "kl/k3", "kl/abs", "kl/full")}
     results = {
         "date": time.strftime("%Y-%m-%d"), "recipe": os.path.relpath(recipe, REPO), "layers": args.layers, "parameters_m": num_params / 1e6,
-        "gpu": torch.cuda.get_device_name() if args.gpu else None, "run_args": run_args,
+        "gpu": torch.cuda.get_device_name() if args.gpu else None, "cpu_matmul_gflops": cpu_gflops,
+        "run_args": run_args,
         "prompt_tokens": [min(prompt_lengths), max(prompt_lengths)],
         "wall_s": {"setup": setup_s, "run_a": wall_a, "run_b": wall_b},
         "step_s": [row["timing_s/step"] for row in steps], **speed(steps),
