@@ -1,9 +1,11 @@
-"""The GPU recipe's memory per GPU, computed from Qwen2.5-0.5B's shape and the config's sizes.
+"""The GPU recipes' memory per GPU, computed from Qwen2.5-0.5B's shape and the config's sizes.
 
-    python bench/recipe_memory.py        # docs/gpu.md's table: the recipe as configured, and per card size
+    python bench/recipe_memory.py                 # docs/gpu.md's table for the PPO recipe, per card size
+    python bench/recipe_memory.py --recipe grpo   # the same for the GRPO recipe (no critic, rollout.n = 5)
 
 Each row is one kind of tensor at its largest, in GiB per process:
-- actor and critic (float32 master weights, model.dtype): weights, gradients, AdamW's two moments;
+- actor and critic (float32 master weights, model.dtype): weights, gradients, AdamW's two moments; a
+  critic-free estimator (grpo, rloo) builds no critic, and its rows are left out of the table;
 - the reference (model.ref_dtype, bfloat16), frozen;
 - the bfloat16 copy autocast makes of the float32 weights of the model in use (kept for the backward, and
   across tokens while sampling);
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import os
 
-from rlhf import kl
+from rlhf import core_algos, kl
 from rlhf.config import Config, load_config
 from rlhf.core_algos import LOGITS_CHUNK_ROWS
 
@@ -35,15 +37,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GIB = 2**30
 RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")
+GRPO_RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b_grpo.yaml")
 # Qwen/Qwen2.5-0.5B-Instruct's config.json, the fields that set its shape, under Qwen2Config's names (the
 # rehearsal and the benchmark build their models from this one dict)
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Micro-batch sizes for each card (one GPU, or DDP); the recipe's own are the 24 GB column.
+# Micro-batch sizes for each card (one GPU, or DDP); each recipe's own are its 24 GB column.
 CARDS = {24: [],
          40: ["actor.ppo_micro_batch_size=8", "rollout.log_prob_micro_batch_size=16"],
          80: ["actor.ppo_micro_batch_size=16", "rollout.log_prob_micro_batch_size=32"]}
+# The GRPO recipe has no critic, so its micro-batches start larger; actor.ppo_micro_batch_size divides a
+# mini-batch's 16 x 5 = 80 responses.
+GRPO_CARDS = {24: [],
+              40: ["actor.ppo_micro_batch_size=16", "rollout.log_prob_micro_batch_size=32"],
+              80: ["actor.ppo_micro_batch_size=40", "rollout.log_prob_micro_batch_size=64"]}
+RECIPES = {"ppo": (RECIPE, CARDS), "grpo": (GRPO_RECIPE, GRPO_CARDS)}
 
 
 def num_parameters(shape: dict = QWEN2_5_0_5B) -> int:
@@ -61,7 +70,8 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B) -> dict[str, float]:
     h, v, layers, mlp = (shape[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size"))
     head_dim = h // shape["num_attention_heads"]
     weight_bytes = BYTES[cfg.model.dtype]
-    actor, critic = num_parameters(shape), num_parameters(shape) + h + 1
+    actor = num_parameters(shape)
+    critic = num_parameters(shape) + h + 1 if core_algos.needs_critic(cfg.algorithm.adv_estimator) else 0
     tokens = cfg.data.max_prompt_length + cfg.data.max_response_length
     rows = cfg.data.max_response_length + 1  # logits kept per response (train.py's response_logits)
     rollout_batch = cfg.data.train_batch_size * cfg.rollout.n
@@ -94,8 +104,9 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B) -> dict[str, float]:
 
 
 def table(columns: dict[str, dict[str, float]]) -> str:
-    """Markdown: one row per kind of tensor, one column per setting."""
-    keys = list(next(iter(columns.values())))
+    """Markdown: one row per kind of tensor, one column per setting; rows that are 0 in every column (the
+    critic's, without one) are left out."""
+    keys = [key for key in next(iter(columns.values())) if any(col[key] for col in columns.values())]
     lines = ["| GiB per GPU | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for key in keys:
         name = f"**{key}**" if key in ("static", "peak") else key
@@ -103,15 +114,22 @@ def table(columns: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="ppo",
+                        help="ppo: configs/gsm8k_qwen2.5_0.5b.yaml; grpo: configs/gsm8k_qwen2.5_0.5b_grpo.yaml")
+    args = parser.parse_args(argv)
+    path, cards = RECIPES[args.recipe]
     columns = {}
-    for card, overrides in CARDS.items():
-        cfg = load_config(RECIPE, overrides)
+    for card, overrides in cards.items():
+        cfg = load_config(path, overrides)
         label = (f"{card} GB card: micro {cfg.actor.ppo_micro_batch_size}, "
                  f"log-prob micro {cfg.rollout.log_prob_micro_batch_size}")
         columns[label] = memory(cfg)
     print(f"Qwen2.5-0.5B: {num_parameters() / 1e6:.1f}M parameters (tied embeddings); "
-          f"{RECIPE.removeprefix(REPO + os.sep)}, one GPU or DDP\n")
+          f"{path.removeprefix(REPO + os.sep)}, one GPU or DDP\n")
     print(table(columns))
 
 

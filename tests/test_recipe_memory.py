@@ -1,11 +1,13 @@
-"""bench/recipe_memory.py, docs/gpu.md's memory table: its parameter counts are the models', its KV-cache
-formula is the cache's size, and docs/gpu.md shows what it prints."""
+"""bench/recipe_memory.py, docs/gpu.md's memory tables: its parameter counts are the models', its KV-cache
+formula is the cache's size, the GRPO recipe counts no critic, and docs/gpu.md shows what it prints for
+each recipe."""
 
 import importlib.util
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from helpers import REPO
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
@@ -44,9 +46,27 @@ def test_kv_cache_formula_is_the_cache_size():
     assert recipe_memory.memory(cfg, shape=shape)["KV cache (sampling)"] * 2**30 == cache_bytes
 
 
-def test_gpu_page_shows_the_table():
-    printed = subprocess.run([sys.executable, os.path.join(REPO, "bench", "recipe_memory.py")], capture_output=True,
-                             text=True, check=True).stdout
+def test_the_grpo_recipe_counts_no_critic():
+    """Without a critic the static memory is the PPO recipe's less the critic's weights, gradients and AdamW
+    states (the two recipes share the model, dtypes and lengths); the KV cache holds rollout.n responses per
+    prompt."""
+    ppo = recipe_memory.memory(load_config(recipe_memory.RECIPE, []))
+    grpo_cfg = load_config(recipe_memory.GRPO_RECIPE, [])
+    grpo = recipe_memory.memory(grpo_cfg)
+    critic_rows = ("critic weights", "critic gradients", "critic AdamW states")
+    assert all(grpo[key] == 0 for key in critic_rows) and all(ppo[key] > 0 for key in critic_rows)
+    assert grpo["static"] == pytest.approx(ppo["static"] - sum(ppo[key] for key in critic_rows))
+    per_response = ppo["KV cache (sampling)"] / 256  # the PPO recipe: 256 prompts x 1 response
+    assert grpo["KV cache (sampling)"] == pytest.approx(per_response * grpo_cfg.data.train_batch_size * grpo_cfg.rollout.n)
+    printed = subprocess.run([sys.executable, os.path.join(REPO, "bench", "recipe_memory.py"), "--recipe", "grpo"],
+                             capture_output=True, text=True, check=True).stdout
+    assert "| actor weights |" in printed and "critic" not in printed
+
+
+@pytest.mark.parametrize("recipe", ["ppo", "grpo"])
+def test_gpu_page_shows_the_table(recipe):
+    printed = subprocess.run([sys.executable, os.path.join(REPO, "bench", "recipe_memory.py"), "--recipe", recipe],
+                             capture_output=True, text=True, check=True).stdout
     table = printed[printed.index("| GiB per GPU"):].strip()
     with open(os.path.join(REPO, "docs", "gpu.md")) as f:
         assert table in f.read()
