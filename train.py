@@ -55,10 +55,10 @@ from rlhf.tracking import (MetricsLogger, Symptoms, Timer, eval_line, read_metri
 
 
 def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer,
-               samples: list | None = None) -> tuple[dict[str, float], int, float]:
-    """One PPO step on this process's share of the global batch; given a list `samples`, adds the batch's first
-    trainer.log_samples responses as rows (rlhf.samples). Returns (metrics averaged over processes, skipped
-    optimizer updates, tokens processed by all processes)."""
+               num_samples: int = 0) -> tuple[dict[str, float], int, float, list[dict]]:
+    """One PPO step on this process's share of the global batch. Returns (metrics averaged over processes,
+    skipped optimizer updates, tokens processed by all processes, the batch's first `num_samples` responses as
+    rows: rlhf.samples)."""
     prompts = run.train_set[process_share(run.sampler.next_batch(), accelerator.process_index,
                                           accelerator.num_processes)]
     rows, group_ids = ppo.repeat_prompts(prompts, cfg.rollout.n)  # each prompt's group of rollout.n responses
@@ -68,8 +68,7 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer,
     with timer("reward"):
         batch.update(rewards.score_batch(run.reward, run.tokenizer, batch, rows))  # scores, and any reward/<part>
     stop_ids = stop_token_ids(accelerator.unwrap_model(run.models[0]), run.tokenizer)
-    if samples is not None:
-        samples += sample_rows(run.tokenizer, batch, rows, stop_ids, cfg.trainer.log_samples)
+    samples = sample_rows(run.tokenizer, batch, rows, stop_ids, num_samples) if num_samples else []
     batch["group_ids"] = group_ids.to(accelerator.device)
     metrics, skipped = update(cfg, accelerator, run.models, run.optimizers, batch, run.kl_ctrl, step, timer)
     # The lr this step's updates used; then one step of each schedule: once per PPO step, as verl.
@@ -79,7 +78,7 @@ def train_step(cfg: Config, accelerator, run: Setup, step: int, timer: Timer,
             scheduler.step()
     metrics.update(batch_metrics(cfg, accelerator, batch, stop_ids))
     num_tokens = accelerator.reduce(batch["attention_mask"].sum().float(), "sum").item()
-    return metrics, skipped, num_tokens
+    return metrics, skipped, num_tokens, samples
 
 
 @torch.no_grad()
@@ -320,8 +319,7 @@ def main(cfg: Config) -> dict[str, float]:
     metrics: dict[str, float] = {}
     try:
         if state.step == 0:
-            val_samples = samples_list(cfg)
-            metrics = evaluation.evaluate(cfg, accelerator, run, step=0, samples=val_samples)
+            metrics, val_samples = evaluation.evaluate_and_sample(cfg, accelerator, run, 0, cfg.trainer.log_samples)
             if task_metrics:
                 metrics.update(task_metrics.metrics(accelerator.unwrap_model(run.models[0])))
             logger.log(metrics, step=0)
@@ -333,14 +331,16 @@ def main(cfg: Config) -> dict[str, float]:
         with StopOnSignal() as stop:
             for step in progress:
                 timer = Timer()
-                train_samples, val_samples = samples_list(cfg, step), None
+                val_samples = []
                 with timer("step"):
-                    metrics, skipped, num_tokens = train_step(cfg, accelerator, run, step, timer, train_samples)
+                    metrics, skipped, num_tokens, train_samples = train_step(cfg, accelerator, run, step, timer,
+                                                                             num_train_samples(cfg, step))
                     state.bad_steps = state.bad_steps + 1 if skipped else 0
                     if ppo.should_evaluate(step, total, cfg.trainer.test_freq):
                         with timer("testing"):
-                            val_samples = samples_list(cfg)
-                            metrics.update(evaluation.evaluate(cfg, accelerator, run, step, val_samples))
+                            val_metrics, val_samples = evaluation.evaluate_and_sample(cfg, accelerator, run, step,
+                                                                                      cfg.trainer.log_samples)
+                            metrics.update(val_metrics)
                 metrics.update(timer.metrics())
                 if task_metrics:
                     metrics.update(task_metrics.metrics(accelerator.unwrap_model(run.models[0])))
@@ -376,12 +376,11 @@ def main(cfg: Config) -> dict[str, float]:
     return metrics
 
 
-def samples_list(cfg: Config, step: int | None = None) -> list | None:
-    """A list to collect samples into (rlhf.samples) at an evaluation (`step` None) or at training step `step`
-    (every trainer.log_samples_freq steps); None where none are logged."""
+def num_train_samples(cfg: Config, step: int) -> int:
+    """How many of training step `step`'s responses are logged as samples (rlhf.samples): trainer.log_samples
+    every trainer.log_samples_freq steps (0: only at evaluations), else none."""
     freq = cfg.trainer.log_samples_freq
-    wanted = cfg.trainer.log_samples and (step is None or (freq and step % freq == 0))
-    return [] if wanted else None
+    return cfg.trainer.log_samples if freq and step % freq == 0 else 0
 
 
 def warn(accelerator, messages: list[str]) -> None:

@@ -310,7 +310,7 @@ class OursSide:
         cfg = cfg or (self.cfg_panel if log_kl_panel else self.cfg_minimal)
         self.num_steps += 1
         start = time.perf_counter()
-        metrics, _, _ = train_step(cfg, self.accelerator, self.run, self.num_steps, timer)
+        metrics, *_ = train_step(cfg, self.accelerator, self.run, self.num_steps, timer)
         sync()
         seconds = time.perf_counter() - start
         self.last_metrics = metrics

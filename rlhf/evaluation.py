@@ -75,16 +75,23 @@ def sampled_scores(correct: list[bool], answers: list[Hashable | None], sizes: l
 
 
 @torch.no_grad()
-def evaluate(cfg, accelerator, run, step: int = 0, samples: list | None = None) -> dict[str, float]:
+def evaluate(cfg, accelerator, run, step: int = 0) -> dict[str, float]:
     """Greedy `val/accuracy` on the held-out split; with trainer.val_samples = n > 0 also n responses per
     problem sampled at the rollout's temperature, for `val/pass@k` (k = 1, 2, 4, ..., n) and `val/maj@n`, their
     noise seeded by (seed, step, process); and each of the task's `run.val_metrics` (greedy and sampled). Each
     process takes its share. A response is right when the run's reward scores it at least
     reward.correct_threshold (RewardFn.is_correct). `run` is an rlhf.setup.Setup (or anything with its
     tokenizer, val_set, reward, models and val_metrics). `val/greedy_clip_ratio` is the share of greedy
-    responses cut at data.max_response_length. Given a list `samples`, adds the first trainer.log_samples greedy
-    responses of this process as rows (rlhf.samples.sample_rows)."""
-    return _evaluate(cfg, accelerator, run, step, keep_problems=False, samples=samples)[0]
+    responses cut at data.max_response_length."""
+    return _evaluate(cfg, accelerator, run, step, keep_problems=False)[0]
+
+
+@torch.no_grad()
+def evaluate_and_sample(cfg, accelerator, run, step: int, num_samples: int) -> tuple[dict[str, float], list[dict]]:
+    """`evaluate`'s metrics, and the first `num_samples` greedy responses of this process as rows
+    (rlhf.samples.sample_rows)."""
+    metrics, _, samples = _evaluate(cfg, accelerator, run, step, keep_problems=False, num_samples=num_samples)
+    return metrics, samples
 
 
 @torch.no_grad()
@@ -93,10 +100,11 @@ def evaluate_per_problem(cfg, accelerator, run, step: int = 0) -> tuple[dict[str
     (gathered from every process): 1.0 or 0.0 for `val/accuracy`, a problem's pass@k, maj@n (0 or 1), the mean
     of a task metric over its responses. Each metric is the mean of its per-problem values; paired comparisons
     of two models on the same problems (python -m rlhf.evaluate) need the values themselves."""
-    return _evaluate(cfg, accelerator, run, step, keep_problems=True)
+    return _evaluate(cfg, accelerator, run, step, keep_problems=True)[:2]
 
 
-def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool, samples: list | None = None):
+def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool, num_samples: int = 0):
+    """(metrics, per-problem values or None, sample rows)."""
     tokenizer, val_set, reward_fn = run.tokenizer, run.val_set, run.reward
     model, n, r = accelerator.unwrap_model(run.models[0]), cfg.trainer.val_samples, cfg.rollout
     greedy = SamplingParams(cfg.data.max_response_length, greedy=True)
@@ -128,14 +136,15 @@ def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool, samples: li
         """Per problem: the mean of each task metric over its `per_problem` consecutive responses."""
         return [[sum(v[i * per_problem:(i + 1) * per_problem]) / per_problem for v in values] for i in range(num)]
 
+    samples = []
     batches = eval_batches(len(val_set), cfg.data.val_batch_size, accelerator.process_index,
                            accelerator.num_processes)
     for mine in tqdm(batches, desc="eval", leave=False, disable=not accelerator.is_local_main_process):
         rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see eval_batches)
         batch = decode(rows, greedy)
         batch.update(score_batch(reward_fn, tokenizer, batch, rows))
-        if samples is not None and not samples and mine:  # this process's first batch
-            samples += sample_rows(tokenizer, batch, rows, stop_ids, cfg.trainer.log_samples)
+        if num_samples and not samples and mine:  # this process's first batch
+            samples = sample_rows(tokenizer, batch, rows, stop_ids, num_samples)
         correct, cut = batch["correct"].tolist(), cut_responses(batch, stop_ids).tolist()
         values = task_values(batch, mine)
         row_sums = [sum(correct[:len(mine)]), sum(cut[:len(mine)]), *(sum(v) for v in values)]
@@ -159,10 +168,10 @@ def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool, samples: li
     totals = accelerator.reduce(torch.cat([sums, num_problems]).to(accelerator.device), "sum").cpu()
     metrics = dict(zip(names, (totals[:-1] / totals[-1].clamp(min=1)).tolist()))
     if not keep_problems:
-        return metrics, None
+        return metrics, None, samples
     if accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
         problem_rows = gather_object(problem_rows)
     problem_rows = sorted(problem_rows)
-    return metrics, {name: [row[j] for _, row in problem_rows] for j, name in enumerate(names)}
+    return metrics, {name: [row[j] for _, row in problem_rows] for j, name in enumerate(names)}, samples

@@ -44,7 +44,6 @@ def test_the_recipes_differ_only_where_grpo_does():
     ppo, grpo = flat(load_config(PPO)), flat(load_config(GRPO))
     differing = {key for key in ppo if ppo[key] != grpo[key]}
     assert differing == {
-        "task.name",  # gsm8k, named; the PPO recipe leaves the default, whose GSM8K loading is the same
         "algorithm.adv_estimator", "rollout.n", "data.train_batch_size", "actor.ppo_mini_batch_size",
         "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size", "trainer.total_steps",
         "trainer.output_dir", "trainer.experiment_name"}

@@ -520,7 +520,7 @@ def test_train_step_samples_each_prompts_group_on_one_process(artifacts, tmp_pat
         return original(algorithm, batch, reduce_sum)
 
     monkeypatch.setattr(ppo, "advantages", spy)
-    metrics, _, _ = train.train_step(cfg, accelerator, run, step=1, timer=Timer())
+    metrics, *_ = train.train_step(cfg, accelerator, run, step=1, timer=Timer())
     assert seen["group_ids"].tolist() == [g for g in range(8) for _ in range(3)]
     prompts = seen["prompt_ids"].reshape(8, 3, -1)
     assert (prompts == prompts[:, :1]).all()  # the three responses of a group answer the same prompt
