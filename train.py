@@ -44,11 +44,11 @@ from rlhf.processes import (backward, gradient_sync, launch_warnings, mean_over_
                             process_share, stop_rule, sum_over_processes, token_weighted_means)
 from rlhf.rollout import (SamplingParams, cut_responses, generate, left_pad, logprobs_and_logits,
                           paired_noise_generator, response_values, slice_batch, stop_token_ids)
-from rlhf.samples import SAMPLES_FILE, sample_rows
+from rlhf.samples import sample_rows
 from rlhf.setup import Setup, setup, shard_on_cpu
 from rlhf.tasks import get_task
-from rlhf.tracking import (MetricsLogger, Symptoms, Timer, eval_line, read_metrics, run_summary, truncate_metrics,
-                           wandb_available)
+from rlhf.tracking import (SAMPLES_FILE, MetricsLogger, Symptoms, Timer, eval_line, read_metrics, run_summary,
+                           truncate_metrics, wandb_available)
 
 
 # ----------------------------------------------------------------------------- one PPO step

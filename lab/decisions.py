@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.habit import DECISION_REWARDS, decision_contexts
+from lab.habit import DECISION_REWARDS, decision_contexts, next_token_probs
 from rlhf.core_algos import group_outcome_advantages
-from rlhf.kl import full_kl, kl_penalty
+from rlhf.kl import full_kl, kl_penalty, parse_estimator
 
 RUNS = ("no-kl", "reward:k1", "loss:k3", "loss:k3+", "loss:full", "loss:k3-corrected")
 FORWARD_RUNS = ("loss:k3",)  # regularise KL(ref || pi); every other KL run KL(pi || ref)
@@ -78,8 +78,7 @@ def decision_states(model, tokenizer, problems, per_stratum: int = PER_STRATUM, 
     probability at the decision (softmax(logits / temperature)). Raises ValueError if a stratum runs short."""
     chosen: dict[str, list] = {name: [] for name in STRATA}
     for context, habit, right in decision_contexts(tokenizer, problems):
-        probs = torch.softmax(model(input_ids=torch.tensor([context])).logits[0, -1].double() / temperature, -1)
-        name = stratum_of(probs[right].item())
+        name = stratum_of(next_token_probs(model, context, temperature)[right].item())
         if name is not None and len(chosen[name]) < per_stratum:
             chosen[name].append((context, habit, right))
         if all(len(rows) == per_stratum for rows in chosen.values()):
@@ -126,12 +125,11 @@ def loss_terms(logits: torch.Tensor, ref_logits: torch.Tensor, states: States, r
     groups = torch.arange(len(tokens)).repeat_interleave(n)
     advantages, _ = group_outcome_advantages(scores.reshape(-1, 1), torch.ones(scores.numel(), 1), groups, "rloo")
     loss = -(advantages.view_as(lp) * lp).mean()
-    if run in ("loss:k3", "loss:k3+"):
-        loss = loss + beta * kl_penalty(lp, ref_lp, run.split(":")[1]).mean()
-    elif run == "loss:k3-corrected":
-        loss = loss + beta * kl_penalty(lp, ref_lp, "k3", old_logprob=lp.detach()).mean()
-    elif run == "loss:full":
-        loss = loss + beta * full_kl(logits, ref_logits, temperature).mean()
+    if run.startswith("loss:"):  # the trainer's estimator object; `-corrected`: weighted by rho (on-policy: 1)
+        estimator = parse_estimator(run.removeprefix("loss:").removesuffix("-corrected"))
+        full = full_kl(logits, ref_logits, temperature)[:, None] if estimator.needs_logits else None  # (S, 1)
+        old = lp.detach() if run.endswith("-corrected") else None
+        loss = loss + beta * estimator(lp, ref_lp, full, old).mean()
     return loss
 
 

@@ -4,7 +4,7 @@
     python -m lab.habit --predict --config configs/tiny.yaml --beta 0.1 0.3   # where each KL stops it
 
 The warm-start demos of the embedded default end, for most multi-step problems, with the first step's
-result instead of the last (`embedded.sft_early_answer_frac`, see `rlhf.embedded`). The trainer logs the
+result instead of the last (`task.options.sft_early_answer_frac`, see `rlhf.embedded`). The trainer logs the
 share of such answers at every evaluation (`habit_metric`: `val/habit_rate` sampled, `val/greedy_habit_rate`
 greedy). The first command decodes the held-out split greedily for the warm start and every checkpoint of a
 finished run and counts the answers that are correct, that report the first step's result (the habit), and
@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 
 from rlhf.embedded import CATEGORIES, classify, held_out_problems  # noqa: F401  (the metric is the trainer's)
+
 
 @torch.no_grad()
 def greedy_counts(model, tokenizer, problems, max_prompt_length: int, max_response_length: int,
@@ -73,14 +74,19 @@ def decision_contexts(tokenizer, problems) -> list[tuple[list[int], int, int]]:
 
 
 @torch.no_grad()
+def next_token_probs(model, context: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """(V,) float64: the sampling policy after `context`, softmax(logits / temperature)."""
+    return torch.softmax(model(input_ids=torch.tensor([context])).logits[0, -1].double() / temperature, -1)
+
+
+@torch.no_grad()
 def decision_probabilities(model, tokenizer, problems, temperature: float = 1.0) -> torch.Tensor:
     """(N, 3) float64: for each held-out problem whose first step's result is not its answer (N of them), the
     policy's probabilities at the habit's decision token, [habit, right, any other token] (decision_contexts).
     The policy is the sampling one, softmax(logits / temperature)."""
     rows = []
     for context, habit, right in decision_contexts(tokenizer, problems):
-        logits = model(input_ids=torch.tensor([context])).logits[0, -1].double()
-        probs = torch.softmax(logits / temperature, -1)
+        probs = next_token_probs(model, context, temperature)
         q, p = probs[habit].item(), probs[right].item()
         rows.append([q, p, 1.0 - q - p])
     return torch.tensor(rows, dtype=torch.float64)

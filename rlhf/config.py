@@ -215,7 +215,7 @@ def set_value(cfg: Config, dotted_key: str, value: Any, text: str | None = None)
         options = cfg.task.options
         for part in parents[2:]:
             options = options.setdefault(part, {})
-        options[name] = value if not (text is not None and isinstance(value, bool)) else value
+        options[name] = value
         return
     for part in parents:
         _check_key(node, part, prefix)

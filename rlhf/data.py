@@ -45,7 +45,6 @@ def looks_like_path(source: str) -> bool:
             or source.endswith((".jsonl", ".json", ".parquet")) or os.path.exists(source))
 
 
-
 def _is_local(source: str) -> bool:
     return source.endswith(SUPPORTED_EXTENSIONS) or os.path.exists(source)
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from rlhf.rollout import cut_responses
 
-SAMPLES_FILE = "samples.jsonl"
-
 
 def sample_rows(tokenizer, batch, rows, stop_ids: int | tuple[int, ...], limit: int) -> list[dict]:
     """The first `limit` responses of a scored batch (its `scores`, `correct` and any `reward/<part>`,

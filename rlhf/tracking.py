@@ -82,13 +82,15 @@ def truncate_metrics(path: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+SAMPLES_FILE = "samples.jsonl"  # under the output directory: the rows MetricsLogger.log_samples writes (rlhf.samples)
+
 class MetricsLogger:
     """`log(metrics, step)` appends to metrics.jsonl (main process only) and calls accelerator.log."""
 
     def __init__(self, accelerator, output_dir: str, use_wandb: bool):
         self.accelerator = accelerator
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.samples_path = os.path.join(output_dir, "samples.jsonl")  # rlhf.samples.SAMPLES_FILE
+        self.samples_path = os.path.join(output_dir, SAMPLES_FILE)
         self.use_wandb = use_wandb
         self.wandb_run_id: str | None = None
         self.wandb_where = "off (trainer.logger=none, or wandb did not start)"  # for the run's summary

@@ -115,10 +115,15 @@ def reward_func(prompts: list[str], completions: list[str], completion_ids: list
 reward_func.extract_answer = final_answer  # what maj@n votes on (rlhf.rewards.RewardFn.answers)
 
 
+def has_answer_line(text: str) -> bool:
+    """Whether `text` has a `#### N` answer line, what the strict rule reads."""
+    return extract_solution(text, "strict") is not None
+
+
 def format_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **fields) -> list[float]:
     """1.0 for a completion with an answer line (`#### N`, what the strict rule reads), 0.0 without: a part of
     a reward of several (reward.functions, after GSM8K's rule, which judges correctness), never a correctness."""
-    return [float(extract_solution(text, "strict") is not None) for text in completions]
+    return [float(has_answer_line(text)) for text in completions]
 
 
 def answer_metrics(ground_truth: list[str]) -> dict:
@@ -130,4 +135,4 @@ def answer_metrics(ground_truth: list[str]) -> dict:
         return lambda texts, indices: [compute_score(t, ground_truth[i], method) for t, i in zip(texts, indices)]
 
     return {"strict_accuracy": accuracy("strict"), "flexible_accuracy": accuracy("flexible"),
-            "no_answer_rate": lambda texts, indices: [float(extract_solution(t, "strict") is None) for t in texts]}
+            "no_answer_rate": lambda texts, indices: [float(not has_answer_line(t)) for t in texts]}
