@@ -27,9 +27,10 @@ from rlhf.kl import (
     kl_panel,
     canonical,
     kl_penalty,
+    off_policy_rule,
     register_estimator,
-    rho_in_graph,
 )
+from rlhf.kl.estimators import AS_PLUS, DETACHED, IN_GRAPH
 
 BASE_NAMES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
 PLUS_NAMES = tuple(n + "+" for n in BASE_NAMES)
@@ -405,7 +406,8 @@ def test_report_digits_are_those_of_any_machine(monkeypatch, sign):
 # Off-policy: kl_penalty(..., old_logprob) on tokens sampled from pi_old, exact by enumeration (docs/kl.md,
 # 'Off-policy samples and importance correction', worked example C).
 
-IN_GRAPH_NAMES = ("k1", "kl", "k3", "low_var_kl")  # rho inside the graph; every other name: rho detached
+IN_GRAPH_NAMES = ("k1", "kl")  # rho inside the graph
+AS_PLUS_NAMES = ("k3", "low_var_kl")  # weighted as k3+: sg(rho), k2's gradient; every other name: rho detached
 KL_GRAD_NAMES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl") + PLUS_NAMES  # corrected: grad KL(pi || ref)
 C_TARGET = (0.224486, -0.018556, -0.113250, -0.092681)  # grad KL(pi || ref) of example A (and C)
 
@@ -430,10 +432,13 @@ def score_grad(weight, f, pi):
 def hand_off_policy_grad(name, pi, ref, old, weighting):
     """The expected loss gradient over x ~ pi_old, by hand from numpy_reference's X and X' = dX/dlogprob:
     'none': E_old[X' grad log pi]; 'detached' rho: E_pi[X' grad log pi]; rho in the 'graph' adds
-    E_pi[X grad log pi] (rho X has gradient rho X grad log pi + rho X' grad log pi)."""
+    E_pi[X grad log pi] (rho X has gradient rho X grad log pi + rho X' grad log pi); 'as plus': E_pi[d grad log pi]
+    (sg(rho) with k2's slope d)."""
     value, slope = numpy_reference(name, np.log(pi), np.log(ref))
     if weighting == "none":
         return score_grad(old, slope, pi)
+    if weighting == "as plus":
+        return score_grad(pi, np.log(pi) - np.log(ref), pi)
     detached = score_grad(pi, slope, pi)
     return detached if weighting == "detached" else detached + score_grad(pi, value, pi)
 
@@ -449,10 +454,18 @@ def weighted_loss_grad(name, logits, ref, old, weighting):
     return grad.numpy()
 
 
-def test_rho_in_graph_rule():
-    assert {name for name in ESTIMATOR_NAMES if rho_in_graph(name)} == set(IN_GRAPH_NAMES)
+def off_policy_weighting(name):
+    """kl_penalty's off-policy rule for `name`, as hand_off_policy_grad names it."""
+    return {IN_GRAPH: "graph", DETACHED: "detached", AS_PLUS: "as plus"}[off_policy_rule(name)]
+
+
+def test_off_policy_rules():
+    assert {name for name in ESTIMATOR_NAMES if off_policy_rule(name) == IN_GRAPH} == set(IN_GRAPH_NAMES)
+    assert {name for name in ESTIMATOR_NAMES if off_policy_rule(name) == AS_PLUS} == set(AS_PLUS_NAMES)
     with pytest.raises(ValueError, match="valid names"):
-        rho_in_graph("k4")
+        off_policy_rule("k4")
+    with pytest.raises(ValueError, match="off_policy"):
+        register_estimator("k9", off_policy="sometimes")
 
 
 @pytest.mark.parametrize("name", ESTIMATOR_NAMES)
@@ -480,9 +493,11 @@ def test_off_policy_expected_loss_gradients(off_policy, name):
     uncorrected = theory.expected_off_policy_loss_grad(name, logits, ref, old, corrected=False).numpy()
     close = dict(rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(uncorrected, hand_off_policy_grad(name, pi, ref_np, old_np, "none"), **close)
-    rule = "graph" if name in IN_GRAPH_NAMES else "detached"
+    rule = off_policy_weighting(name)
     np.testing.assert_allclose(corrected, hand_off_policy_grad(name, pi, ref_np, old_np, rule), **close)
-    np.testing.assert_allclose(corrected, weighted_loss_grad(name, logits, ref, old, rule), **close)
+    by_hand = weighted_loss_grad(name + "+" if rule == "as plus" else name, logits, ref, old,
+                                 "detached" if rule == "as plus" else rule)
+    np.testing.assert_allclose(corrected, by_hand, **close)
     if name in KL_GRAD_NAMES:
         np.testing.assert_allclose(corrected, rev, **close)  # the whole point
         if case == "C":
@@ -500,7 +515,7 @@ def test_off_policy_other_weighting_is_biased(off_policy, name):
     """The weighting kl_penalty does not use, built by hand, misses grad KL(pi || ref) in every case."""
     case, logits, ref, old, pi, ref_np, old_np = off_policy
     rev, fwd, two_tv = analytic_grads(pi, ref_np)
-    other = "detached" if name in IN_GRAPH_NAMES else "graph"
+    other = "graph" if off_policy_rule(name) == DETACHED else "detached"
     grad = weighted_loss_grad(name, logits, ref, old, other)
     close = dict(rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(grad, hand_off_policy_grad(name, pi, ref_np, old_np, other), **close)
@@ -575,10 +590,13 @@ def test_old_logprob_none_or_equal_to_logprob(name):
         out = kl_penalty(lp, ref, name, old_logprob=old)
         assert torch.equal(out, today)
         g_lp, g_ref = torch.autograd.grad(out.sum(), (lp, ref))
-        assert torch.equal(g_ref, today_grads[1])
+        assert torch.equal(g_ref, -(lp - ref).detach() if name in AS_PLUS_NAMES else today_grads[1])
         if name in IN_GRAPH_NAMES:
             # rho in the graph is not a no-op at rho == 1: d(rho X)/dlogprob = X + X'
             torch.testing.assert_close(g_lp, today_grads[0] + today.detach(), rtol=1e-6, atol=1e-6)
+            assert not torch.allclose(g_lp, today_grads[0])
+        elif name in AS_PLUS_NAMES:  # k2's slope, d, whatever the clamp: not k3's own 1 - exp(-d)
+            assert torch.equal(g_lp, (lp - ref).detach())
             assert not torch.allclose(g_lp, today_grads[0])
         else:  # detached rho == 1: exactly today's gradient
             assert torch.equal(g_lp, today_grads[0])
@@ -599,9 +617,12 @@ def test_old_logprob_per_sample_formula(name):
     log_ratio = shift.numpy()
     rho = np.exp(np.clip(log_ratio, -20, 20))
     np.testing.assert_allclose(out.detach().numpy(), rho * value, rtol=1e-12, atol=1e-12)
-    want = rho * slope + (rho * value * (np.abs(log_ratio) < 20) if name in IN_GRAPH_NAMES else 0)
+    if name in AS_PLUS_NAMES:  # sg(rho) d: the gradient rho k3 in the graph has wherever k3 is not clamped
+        want = rho * (lp - ref).detach().numpy()
+    else:
+        want = rho * slope + (rho * value * (np.abs(log_ratio) < 20) if name in IN_GRAPH_NAMES else 0)
     np.testing.assert_allclose(g_lp.numpy(), want, rtol=1e-10, atol=1e-10)
-    (g_ref_today,) = torch.autograd.grad(kl_penalty(lp, ref, name).sum(), ref)
+    (g_ref_today,) = torch.autograd.grad(kl_penalty(lp, ref, name + "+" if name in AS_PLUS_NAMES else name).sum(), ref)
     np.testing.assert_allclose(g_ref.numpy(), rho * g_ref_today.numpy(), rtol=1e-12, atol=1e-12)
     assert out[0, 0].item() == pytest.approx(math.exp(20) * value[0, 0], rel=1e-12)
 
@@ -632,14 +653,14 @@ def test_demo_prints_the_off_policy_table(demo_output):
     assert "pi_old = (0.4, 0.3, 0.2, 0.1)" in section and "+0.224486, -0.018556" in section
     # estimator, rho, uncorrected cos/err, corrected cos/err, other rho cos/err, E_old[k], E_old[rho k], E_pi[k]
     rows = {}
-    for line in section.replace("in graph", "in-graph").splitlines():
+    for line in section.replace("in graph", "in-graph").replace("as X+", "as-X+").splitlines():
         cells = line.split()
         if cells and cells[0] in theory.REPORT_ESTIMATORS:
             rows[cells[0]] = cells[1:]
     assert list(rows) == list(theory.REPORT_ESTIMATORS)
     for name, cells in rows.items():
         assert len(cells) == 10, name
-        assert cells[0] == ("in-graph" if name in IN_GRAPH_NAMES else "detached"), name
+        assert cells[0] == {IN_GRAPH: "in-graph", DETACHED: "detached", AS_PLUS: "as-X+"}[off_policy_rule(name)], name
         if name != "abs":
             assert cells[3:5] == ["1.00000", "0.000000"], name  # corrected: grad KL(pi || ref)
         assert cells[8] == cells[9] != cells[7], name  # corrected value == E_pi[k] != uncorrected value

@@ -1,5 +1,5 @@
 """rlhf.registry and the KL module's per-name dispatch: registration, lookups that name the valid choices,
-and kl_per_token giving the right term for every estimator name, `full` included."""
+and the parsed estimator (parse_estimator) giving the right term for every estimator name, `full` included."""
 
 import pytest
 import torch
@@ -34,14 +34,20 @@ def test_needs_logits_only_for_full():
         kl.needs_logits("k4")
 
 
-def test_kl_per_token_is_kl_penalty_for_sampled_names_and_the_given_exact_kl_for_full():
+def test_parsed_estimator_is_kl_penalty_for_sampled_names_and_the_given_exact_kl_for_full():
     g = torch.Generator().manual_seed(0)
     logprob, ref_logprob, old_logprob = (torch.randn(3, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    logprob.requires_grad_(True)
     exact = torch.rand(3, 5, generator=g, dtype=torch.float64)
-    for name in ("k1", "k2", "k3", "abs", "k3+"):
-        torch.testing.assert_close(kl.kl_per_token(name, logprob, ref_logprob), kl.kl_penalty(logprob, ref_logprob, name))
-        torch.testing.assert_close(kl.kl_per_token(name, logprob, ref_logprob, old_logprob=old_logprob),
-                                   kl.kl_penalty(logprob, ref_logprob, name, old_logprob=old_logprob))
-    assert kl.kl_per_token("full", logprob, ref_logprob, full_kl=exact) is exact
+    for name in kl.ESTIMATOR_NAMES:
+        estimator = kl.parse_estimator(name)
+        assert estimator is kl.parse_estimator(name) and not estimator.needs_logits  # parsed once
+        for old in (None, old_logprob):
+            term, want = estimator(logprob, ref_logprob, old_logprob=old), kl.kl_penalty(logprob, ref_logprob, name, old)
+            assert torch.equal(term, want)
+            assert torch.equal(*(torch.autograd.grad(t.sum(), logprob)[0] for t in (term, want)))
+    assert kl.parse_estimator("full")(logprob, ref_logprob, full_kl=exact) is exact
     with pytest.raises(ValueError, match="needs full_kl"):
-        kl.kl_per_token("full", logprob, ref_logprob)
+        kl.parse_estimator("full")(logprob, ref_logprob)
+    with pytest.raises(ValueError, match="valid names"):
+        kl.parse_estimator("k4")

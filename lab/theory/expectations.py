@@ -16,7 +16,7 @@ kl_penalty of x, given old_logprob = log pi_old(x) if `corrected` (rho-weighted,
 
 import torch
 
-from rlhf.kl.estimators import PANEL_ESTIMATORS, kl_penalty, rho_in_graph
+from rlhf.kl.estimators import AS_PLUS, DETACHED, IN_GRAPH, PANEL_ESTIMATORS, kl_penalty, off_policy_rule
 
 # Values at float-noise level (the fixed-point solver stops at TOL = 1e-14) depend on the CPU, BLAS and thread
 # count, so the reports print them as this bound, never as their digits, and the docs quote the reports verbatim.
@@ -159,14 +159,18 @@ def _compare(grad: torch.Tensor, target: torch.Tensor) -> str:
 REPORT_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
 
 
+RULE_LABELS = {IN_GRAPH: "in graph", DETACHED: "detached", AS_PLUS: "as X+"}
+
+
 def _other_weighting_loss_grad(estimator, logits, ref_probs, old_probs) -> torch.Tensor:
-    """The expected loss gradient with the weighting kl_penalty does not use: rho detached where it puts rho
-    in the graph and vice versa (rho unclamped, built here by hand), to show that that one is biased."""
+    """The expected loss gradient with the weighting kl_penalty does not use: rho in the graph where it detaches
+    rho, else rho detached on the estimator's own gradient (rho unclamped, built here by hand), to show that
+    that one is biased."""
 
     def objective(leaf):
         logprobs = torch.log_softmax(leaf, dim=-1)
         rho = (logprobs - old_probs.log()).exp()
-        weight = rho.detach() if rho_in_graph(estimator) else rho
+        weight = rho if off_policy_rule(estimator) == DETACHED else rho.detach()
         return (old_probs * weight * kl_penalty(logprobs, ref_probs.log(), estimator)).sum()
 
     return _grad(objective, logits)
@@ -181,7 +185,8 @@ def _off_policy_report(name: str) -> list[str]:
         f"Example {name} (off-policy): example {on_policy}'s pi and ref, tokens sampled from pi_old = {old_tuple}",
         f"  grad KL(pi||ref) = {_vec(grad_rev)}",
         "  corrected = kl_penalty(..., old_logprob=log pi_old): the term times rho = pi/pi_old, in the autograd",
-        "  graph for k1, k3 and detached for k2, abs and every X+; 'other rho' is the opposite choice, by hand",
+        "  graph for k1, as X+ (k2's gradient, rho detached) for k3, detached for k2, abs and every X+; 'other rho'",
+        "  is rho in the graph where kl_penalty detaches it, else rho detached on the estimator's own gradient",
         "",
         "  over x ~ pi_old, exact: the expected loss gradient as cos / max|err| against grad KL(pi||ref), and the",
         "  expected value (E_old[rho k] is the corrected one; X+ has X's value)",
@@ -194,7 +199,7 @@ def _off_policy_report(name: str) -> list[str]:
         )
         other = _other_weighting_loss_grad(est, logits, ref, old)
         lines.append(
-            f"  {est:<10}{'in graph' if rho_in_graph(est) else 'detached':>9}{_compare(uncorrected, grad_rev):>20}"
+            f"  {est:<10}{RULE_LABELS[off_policy_rule(est)]:>9}{_compare(uncorrected, grad_rev):>20}"
             f"{_compare(corrected, grad_rev):>20}{_compare(other, grad_rev):>20}"
             f"{expected_off_policy_value(est, logits, ref, old, False).item():10.6f}"
             f"{expected_off_policy_value(est, logits, ref, old, True).item():14.6f}"

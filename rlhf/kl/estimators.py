@@ -1,15 +1,15 @@
 """The KL estimators by name: the sampled k1, k2, k3, abs and their straight-through `X+` forms, and `full`.
 
 Each sampled estimator is a pure function `(logprob, ref_logprob) -> same shape`, registered under verl's
-names by @register_estimator; kl_penalty parses a name (one optional trailing `+`) and applies it, with the
-importance weight for off-policy tokens; kl_panel logs all of them side by side. `full`, the exact KL, is
-computed from logits (rlhf.kl.exact); needs_logits tells a caller which names need them, and kl_per_token
-gives the per-token term for every name. The table of values, biases and gradients, and why rho is in the
-graph or detached, is the docstring of `rlhf.kl`.
+names by @register_estimator with its off-policy rule; kl_penalty parses a name (one optional trailing `+`)
+and applies it, with the importance weight for off-policy tokens; kl_panel logs all of them side by side.
+`full`, the exact KL, is computed from logits (rlhf.kl.exact); parse_estimator turns any name, `full`
+included, into the KLEstimator the step calls. The table of values, biases and gradients, and each
+off-policy rule and why, is the docstring of `rlhf.kl`.
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,30 +26,38 @@ FULL = "full"
 # name -> estimator function; aliases map to the same function. Filled by @register_estimator. The empty
 # name, `full` and names ending in `+` (the straight-through form) are not estimators of their own.
 _ESTIMATORS = Registry("KL estimator", reserved=lambda name: name in ("", FULL) or name.endswith("+"))
-# the estimators registered with unbiased=True: off-policy, kl_penalty puts rho inside their autograd graph
-_UNBIASED: set[Estimator] = set()
+
+# How kl_penalty(..., old_logprob=...) weights a base estimator X by rho = pi / pi_old off-policy (every `X+` is
+# DETACHED); the rules and why are in rlhf.kl's docstring.
+IN_GRAPH = "rho in the graph"  # rho X, differentiated through rho
+DETACHED = "rho detached"  # sg(rho) X
+AS_PLUS = "rho detached, k2's gradient"  # sg(rho) X+: the value rho X, the gradient sg(rho) d grad log pi
+OFF_POLICY_RULES = (IN_GRAPH, DETACHED, AS_PLUS)
+_OFF_POLICY: dict[Estimator, str] = {}
 
 
-def register_estimator(name: str, *aliases: str, unbiased: bool = False) -> Callable[[Estimator], Estimator]:
+def register_estimator(name: str, *aliases: str, off_policy: str = DETACHED) -> Callable[[Estimator], Estimator]:
     """Register a base estimator `(logprob, ref_logprob) -> same shape` under `name` and its aliases.
 
     Adding an estimator is one decorated function below (ESTIMATOR_NAMES is built from the registry after
     them). Names may not end in `+` (reserved for the straight-through form) and may not be `full`.
-    `unbiased=True` declares E_{x~pi}[value] == KL(pi || ref) for every pi: kl_penalty then weights it
-    off-policy by rho inside the graph, whose gradient is exactly grad KL(pi || ref); otherwise rho is
-    detached, which keeps the estimator's on-policy expected gradient.
+    `off_policy` is how kl_penalty weights it on tokens sampled from pi_old (one of OFF_POLICY_RULES):
+    IN_GRAPH only for an estimator with E_{x~pi}[value] == KL(pi || ref) for every pi and no clamp, since the
+    gradient of E_old[rho X] = E_pi[X] is then exactly grad KL(pi || ref); DETACHED keeps the estimator's
+    on-policy expected gradient; AS_PLUS gives grad KL(pi || ref) by k2's gradient.
     """
+    if off_policy not in OFF_POLICY_RULES:
+        raise ValueError(f"off_policy {off_policy!r}; valid: {', '.join(OFF_POLICY_RULES)}")
 
     def decorator(fn: Estimator) -> Estimator:
         _ESTIMATORS.register(name, *aliases)(fn)
-        if unbiased:
-            _UNBIASED.add(fn)
+        _OFF_POLICY[fn] = off_policy
         return fn
 
     return decorator
 
 
-@register_estimator("k1", "kl", unbiased=True)
+@register_estimator("k1", "kl", off_policy=IN_GRAPH)
 def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     """k1 = d. Unbiased for KL(pi||ref) but negative about half the time; d/dlogprob = 1, so as a loss its
     expected gradient is 0 (E[grad log pi] = 0) while in the reward it gives grad KL(pi||ref) (Schulman 2020)."""
@@ -64,23 +72,30 @@ def kl_k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logprob - ref_logprob).square()
 
 
-@register_estimator("k3", "low_var_kl", unbiased=True)
+@register_estimator("k3", "low_var_kl", off_policy=AS_PLUS)
 def kl_k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
-    """k3 = exp(ref - lp) - 1 + (lp - ref) = r - 1 - log r with r = pi_ref/pi. Unbiased and >= 0 per sample
-    (Schulman 2020); d/dlogprob = 1 - exp(-d), so as a loss (GRPO, Shao et al. arXiv:2402.03300) its
-    expected gradient is grad KL(ref||pi), the forward KL (Tang & Munos arXiv:2506.09477).
+    """k3 = exp(ref - lp) - 1 + (lp - ref) = r - 1 - log r with r = pi_ref/pi. >= 0 per sample, and unbiased
+    where pi's support holds all of ref's mass (E_pi[r] = 1; not under top-k/top-p sampling) (Schulman 2020);
+    d/dlogprob = 1 - exp(-d), so as a loss (GRPO, Shao et al. arXiv:2402.03300) its expected gradient is
+    grad KL(ref||pi), the forward KL (Tang & Munos arXiv:2506.09477).
 
     Mirrors verl's clamps: the exponent ref - lp is clamped to [-20, 20] and the value to [-10, 10], so the
-    value saturates at 10 (gradient 0) once d < ~-2.5 or d > ~11. expm1 keeps small values accurate.
+    value saturates at 10 (gradient 0) where d < -2.61087 or d > 10.99998 (K3_CLAMP_EDGES). expm1 keeps small
+    values accurate. Off-policy it is weighted AS_PLUS: rho k3 in the graph has the gradient rho (k3 + k3')
+    grad log pi = rho d grad log pi, k2's, wherever the value is not clamped, but past an edge autograd would give
+    rho * 10 (a flat value plus its own 10), pushing a token pi gives far less than ref further down.
     """
     neg_d = (ref_logprob - logprob).clamp(-20.0, 20.0)
     return (torch.expm1(neg_d) - neg_d).clamp(-10.0, 10.0)
 
 
+K3_CLAMP_EDGES = (-2.610868638149876, 10.999983298020256)  # the d where exp(-d) - 1 + d = 10
+
+
 @register_estimator("abs")
 def kl_abs(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     """abs = |d|. Biased high (E[abs] >= KL); d/dlogprob = sign(d), so as a loss its expected gradient is
-    2 grad TV(pi, ref), not a KL gradient (Shah et al. arXiv:2512.21852)."""
+    2 grad TV(pi, ref), not a KL gradient (E_pi[sign(d) grad log pi] = grad sum_x |pi_x - ref_x|)."""
     return (logprob - ref_logprob).abs()
 
 
@@ -162,77 +177,74 @@ def kl_penalty(
     are computed in float32 and the result is float32. Same name and argument order as verl's kl_penalty.
 
     `old_logprob` (same shape, never differentiated) is the log-prob under the policy that sampled the tokens,
-    for a KL loss on off-policy samples (PPO after the first optimizer step). The result is then rho * term
-    with rho = exp(clamp(logprob - old_logprob, -20, 20)) as in the policy loss: rho inside the graph for k1
-    and k3, detached for k2, abs and every `X+` (rlhf.kl's docstring says why). Then E_{x~pi_old} of the
-    result's value is X's on-policy mean and, for k1, k2, k3 and every `X+`, E_{x~pi_old} of its gradient is
-    grad KL(pi || ref) (for abs, 2 grad TV as on-policy). Note that with rho in the graph the gradient
-    changes even where old_logprob == logprob (rho == 1): the on-policy k1 and k3 losses do not give
-    grad KL(pi || ref), the weighted ones do. None (the default) leaves the term unweighted.
+    for a KL loss on off-policy samples (PPO after the first optimizer step). The result's value is then rho * X
+    with rho = exp(clamp(logprob - old_logprob, -20, 20)) as in the policy loss, and its gradient follows the
+    estimator's off-policy rule (off_policy_rule: rho in the graph for k1; for k3, X+'s gradient, k2's, with rho
+    detached; rho detached for k2, abs and every `X+`; rlhf.kl's docstring says why). Then E_{x~pi_old} of the
+    value is X's on-policy mean and, for k1, k2, k3 and every `X+`, E_{x~pi_old} of the gradient is
+    grad KL(pi || ref) at every d (for abs, 2 grad TV as on-policy). This changes the gradient even where
+    old_logprob == logprob (rho == 1): the on-policy k1 and k3 losses do not give grad KL(pi || ref), the
+    corrected ones do. None (the default) leaves the term unweighted.
     """
     base, plus = _parse(estimator)
+    return _sampled_term(base, plus, logprob, ref_logprob, old_logprob)
+
+
+def _sampled_term(base: Estimator, plus: bool, logprob, ref_logprob, old_logprob=None) -> torch.Tensor:
+    """kl_penalty's computation for a parsed name: the base estimator, straight-through if `plus`."""
     for other_name, other in (("ref_logprob", ref_logprob), ("old_logprob", old_logprob)):
         if other is not None and other.shape != logprob.shape:
             raise ValueError(f"logprob {tuple(logprob.shape)} and {other_name} {tuple(other.shape)} differ")
+    rule = DETACHED if plus else _OFF_POLICY[base]
     logprob, ref_logprob = upcast(logprob), upcast(ref_logprob)
     value = base(logprob, ref_logprob)
-    if plus:
+    if plus or (old_logprob is not None and rule == AS_PLUS):
         k2 = kl_k2(logprob, ref_logprob)
         value = k2 - k2.detach() + value.detach()
     if old_logprob is None:
         return value
     rho = torch.exp((logprob - upcast(old_logprob.detach())).clamp(-20.0, 20.0))
-    return (rho if rho_in_graph(estimator) else rho.detach()) * value
+    return (rho if rule == IN_GRAPH else rho.detach()) * value
 
 
-def rho_in_graph(estimator: str) -> bool:
-    """Whether kl_penalty(..., old_logprob=...) puts rho inside the autograd graph for `estimator` (k1, k3 and
-    their aliases) rather than detaching it (k2, abs, every `X+`). Raises like check_estimator."""
+def off_policy_rule(estimator: str) -> str:
+    """How kl_penalty(..., old_logprob=...) weights `estimator` (one of OFF_POLICY_RULES): IN_GRAPH for k1,
+    AS_PLUS for k3, DETACHED for k2, abs and every `X+`. Raises like check_estimator."""
     base, plus = _parse(estimator)
-    return base in _UNBIASED and not plus
+    return DETACHED if plus else _OFF_POLICY[base]
 
 
 @dataclass(frozen=True)
 class KLEstimator:
-    """An estimator name as the step uses it, parsed once (parse_estimator): called like kl_per_token, and
-    `needs_logits` says whether the caller must bring the exact per-token KL (`full`) instead of sampled
-    log-probs alone. `full` is an estimator like the others: the object hides the difference."""
+    """An estimator name parsed once (parse_estimator), as the step calls it: `est(logprob, ref_logprob,
+    full_kl=None, old_logprob=None)` -> the per-token term (B, T). `needs_logits` says whether the caller must
+    bring `full_kl`, the exact per-token KL full_kl(logits, ref_logits, temperature) of the same tokens, which
+    the object then returns (`full` sums over the vocabulary under the current policy, so it needs no
+    importance weight); every other name is kl_penalty's term. `full` is an estimator like the others: the
+    object hides the difference."""
 
     name: str  # as configured, e.g. "low_var_kl+"
     needs_logits: bool  # `full`: computed from both models' logits (full_kl), not from sampled log-probs
+    base: Estimator | None = field(default=None, repr=False)  # the sampled estimator; None for `full`
+    plus: bool = False  # the straight-through `X+` form
 
     def __call__(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, full_kl: torch.Tensor | None = None,
                  old_logprob: torch.Tensor | None = None) -> torch.Tensor:
-        """The per-token KL term, (B, T) (kl_per_token)."""
-        return kl_per_token(self.name, logprob, ref_logprob, full_kl, old_logprob)
+        if not self.needs_logits:
+            return _sampled_term(self.base, self.plus, logprob, ref_logprob, old_logprob)
+        if full_kl is None:
+            raise ValueError(f"KL estimator {self.name!r} needs full_kl, the exact per-token KL from both models' logits")
+        return full_kl
 
 
 @functools.lru_cache(maxsize=None)
 def parse_estimator(name: str) -> KLEstimator:
     """The KLEstimator of any valid name, `full` included (raises like check_estimator(name, allow_full=True));
     the config's check parses each configured name, and the step gets the same object back."""
-    return KLEstimator(check_estimator(name, allow_full=True), needs_logits(name))
-
-
-def kl_per_token(
-    estimator: str,
-    logprob: torch.Tensor,
-    ref_logprob: torch.Tensor,
-    full_kl: torch.Tensor | None = None,
-    old_logprob: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The per-token KL term of any estimator name, (B, T): kl_penalty for the sampled estimators, and for a
-    name that needs_logits (`full`) the given `full_kl`, full_kl(logits, ref_logits, temperature) of the same
-    tokens, computed by the caller that holds both models' logits.
-
-    `old_logprob` importance-weights the sampled estimators for off-policy tokens (kl_penalty); the exact KL
-    sums over the vocabulary under the current policy, so it needs no weight.
-    """
-    if not needs_logits(estimator):
-        return kl_penalty(logprob, ref_logprob, estimator, old_logprob=old_logprob)
-    if full_kl is None:
-        raise ValueError(f"KL estimator {estimator!r} needs full_kl, the exact per-token KL from both models' logits")
-    return full_kl
+    if needs_logits(name):
+        return KLEstimator(name, needs_logits=True)
+    base, plus = _parse(name)
+    return KLEstimator(name, needs_logits=False, base=base, plus=plus)
 
 
 @torch.no_grad()
