@@ -31,7 +31,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -39,11 +39,13 @@ from lab.habit import DECISION_REWARDS, decision_contexts, next_token_probs
 from rlhf.core_algos import group_outcome_advantages
 from rlhf.kl import full_kl, kl_penalty, parse_estimator
 
-RUNS = ("no-kl", "reward:k1", "loss:k3", "loss:k3+", "loss:full", "loss:k3-corrected")
+RUNS = ("no-kl", "reward:k1", "loss:k3", "loss:k3+", "loss:full")
 FORWARD_RUNS = ("loss:k3",)  # regularise KL(ref || pi); every other KL run KL(pi || ref)
 STRATA = {"A": (0.0, 0.04), "B": (0.2, 1.0)}  # the warm start's right-token probability at the state
 PER_STRATUM = 16
-N = 8  # sampled tokens per state (RLOO's group)
+N = 8  # sampled tokens per state (RLOO's group; the KL loss's samples)
+PG = ("exact", "sampled")  # the policy gradient: summed over the vocabulary, or RLOO over the N samples
+KL = ("sampled", "expected")  # a KL loss: its mean over the N samples, or its expectation over the vocabulary
 METRICS = ("habit", "right", "reverse_kl", "forward_kl")
 
 
@@ -108,40 +110,82 @@ def exact_metrics(logits: torch.Tensor, ref_logits: torch.Tensor, states: States
 
 
 def loss_terms(logits: torch.Tensor, ref_logits: torch.Tensor, states: States, run: str, beta: float,
-               generator: torch.Generator, n: int = N, temperature: float = 1.0) -> torch.Tensor:
-    """The step's loss: n tokens sampled per state from pi, reward 1 for the right token, RLOO advantages over
-    each state's n samples, the policy-gradient loss (the mean over samples of -A log pi) plus, for a KL in
-    the loss, beta times its mean term (every KL from rlhf.kl). k1 in the reward subtracts beta k1 of each
-    sample from its score before the advantage."""
+               generator: torch.Generator, n: int = N, temperature: float = 1.0, pg: str = "sampled",
+               kl: str = "sampled") -> torch.Tensor:
+    """The step's loss, averaged over states: the policy-gradient loss of reward 1 for the right token, plus, for
+    a KL in the loss, beta times its term (every KL from rlhf.kl, the trainer's KLEstimator). `pg` "sampled": the
+    mean over n tokens sampled per state from pi of -A log pi, RLOO advantages over each state's samples, as
+    the trainer; "exact": -sum_x sg(pi_x) (r_x - E_pi[r]) log pi_x over the whole vocabulary, whose gradient is
+    exactly -grad E_pi[r]. k1 in the reward subtracts beta k1 from each sample's score (sampled) or from every
+    token's reward (exact) before the advantage. `kl` "sampled": the KL term's mean over the n samples, as the
+    trainer; "expected": sum_x sg(pi_x) X(x) over the vocabulary, whose gradient is the estimator's expected
+    loss gradient exactly (its clamps included)."""
     if run not in RUNS:
         raise ValueError(f"unknown run {run!r}; valid: {', '.join(RUNS)}")
+    if pg not in PG or kl not in KL:
+        raise ValueError(f"unknown policy gradient {pg!r} or KL {kl!r}; valid: {', '.join(PG)} and {', '.join(KL)}")
     logprobs = torch.log_softmax(logits / temperature, -1)
     ref_logprobs = torch.log_softmax(ref_logits / temperature, -1)
     tokens = torch.multinomial(logprobs.detach().exp(), n, replacement=True, generator=generator)  # (S, n)
     lp, ref_lp = logprobs.gather(1, tokens), ref_logprobs.gather(1, tokens)
-    scores = (tokens == states.right[:, None]).to(lp.dtype)
-    if run == "reward:k1":
-        scores = scores - beta * kl_penalty(lp.detach(), ref_lp, "k1")
-    groups = torch.arange(len(tokens)).repeat_interleave(n)
-    advantages, _ = group_outcome_advantages(scores.reshape(-1, 1), torch.ones(scores.numel(), 1), groups, "rloo")
-    loss = -(advantages.view_as(lp) * lp).mean()
-    if run.startswith("loss:"):  # the trainer's estimator object; `-corrected`: weighted by rho (on-policy: 1)
-        estimator = parse_estimator(run.removeprefix("loss:").removesuffix("-corrected"))
+    if pg == "exact":
+        rewards = torch.zeros_like(logprobs).scatter_(1, states.right[:, None], 1.0)  # (S, V)
+        if run == "reward:k1":
+            rewards = rewards - beta * kl_penalty(logprobs.detach(), ref_logprobs, "k1")
+        probs = logprobs.detach().exp()
+        advantages = rewards - (probs * rewards).sum(-1, keepdim=True)
+        loss = -(probs * advantages * logprobs).sum(-1).mean()
+    else:
+        scores = (tokens == states.right[:, None]).to(lp.dtype)
+        if run == "reward:k1":
+            scores = scores - beta * kl_penalty(lp.detach(), ref_lp, "k1")
+        groups = torch.arange(len(tokens)).repeat_interleave(n)
+        advantages, _ = group_outcome_advantages(scores.reshape(-1, 1), torch.ones(scores.numel(), 1), groups, "rloo")
+        loss = -(advantages.view_as(lp) * lp).mean()
+    if run.startswith("loss:"):  # the trainer's estimator object
+        estimator = parse_estimator(run.removeprefix("loss:"))
         full = full_kl(logits, ref_logits, temperature)[:, None] if estimator.needs_logits else None  # (S, 1)
-        old = lp.detach() if run.endswith("-corrected") else None
-        loss = loss + beta * estimator(lp, ref_lp, full, old).mean()
+        if kl == "sampled" or estimator.needs_logits:
+            loss = loss + beta * estimator(lp, ref_lp, full).mean()
+        else:
+            loss = loss + beta * (logprobs.detach().exp() * estimator(logprobs, ref_logprobs)).sum(-1).mean()
     return loss
 
 
-def train(model, states: States, ref_logits: torch.Tensor, run: str, beta: float, seed: int, steps: int,
-          lr: float, log_every: int = 10, temperature: float = 1.0) -> dict:
-    """One run: `steps` on-policy Adam updates (lr decaying linearly to 0) from `model`'s weights (changed in
-    place). Returns {"steps": [...], per metric: [[per-state values] per logged step]}, the last entry the end."""
+@dataclass(frozen=True)
+class Regime:
+    """How a run trains: the policy gradient (PG) and a KL loss's term (KL), tokens sampled per state, Adam
+    updates, the initial learning rate (decaying linearly to 0), and the strata whose states are trained on (the
+    others are only measured)."""
+
+    pg: str = "exact"
+    kl: str = "sampled"
+    n: int = 64
+    steps: int = 300
+    lr: float = 1e-4
+    train_strata: tuple[str, ...] = tuple(STRATA)
+
+    def __post_init__(self):
+        if self.pg not in PG or self.kl not in KL:
+            raise ValueError(f"unknown policy gradient {self.pg!r} or KL {self.kl!r}; valid: {', '.join(PG)} and "
+                             f"{', '.join(KL)}")
+        if not self.train_strata or set(self.train_strata) - set(STRATA):
+            raise ValueError(f"train strata {self.train_strata}; valid: a non-empty subset of {', '.join(STRATA)}")
+
+
+def train(model, states: States, ref_logits: torch.Tensor, run: str, beta: float, seed: int, regime: Regime,
+          log_every: int = 10, temperature: float = 1.0) -> dict:
+    """One run: `regime.steps` on-policy Adam updates from `model`'s weights (changed in place), on the states of
+    `regime.train_strata`. Returns {"steps": [...], per metric: [[per-state values of every state] per logged
+    step]}, the last entry the end."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / steps)
+    optimizer = torch.optim.Adam(model.parameters(), lr=regime.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / regime.steps)
     history: dict = {"steps": [], **{key: [] for key in METRICS}}
+    trained = torch.tensor([name in regime.train_strata for name in states.strata])
+    trained_states = States(*(field[trained] for field in (states.input_ids, states.lengths, states.habit,
+                                                           states.right)), [s for s in states.strata if s in regime.train_strata])
 
     def log(step, logits):
         history["steps"].append(step)
@@ -149,18 +193,19 @@ def train(model, states: States, ref_logits: torch.Tensor, run: str, beta: float
             history[key].append([round(v, 6) for v in value.tolist()])
 
     model.train()
-    for step in range(steps):
+    for step in range(regime.steps):
         logits = decision_logits(model, states)
         if step % log_every == 0:
             log(step, logits.detach())
-        loss = loss_terms(logits, ref_logits, states, run, beta, generator, temperature=temperature)
+        loss = loss_terms(logits[trained], ref_logits[trained], trained_states, run, beta, generator, regime.n,
+                          temperature, regime.pg, regime.kl)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
     model.eval()
     with torch.no_grad():
-        log(steps, decision_logits(model, states))
+        log(regime.steps, decision_logits(model, states))
     return history
 
 
@@ -240,35 +285,48 @@ def load_warm_start(config: str):
             cfg.rollout.temperature)
 
 
-def run_grid(config: str, runs, betas, seeds, steps: int, lr: float, out_dir: str, log=print) -> dict:
+def deterministic(run: str, regime: Regime) -> bool:
+    """Whether every seed of `run` is the same run: the exact policy gradient and no sampled KL (no KL, k1 in the
+    reward, full, or an expected KL loss), so nothing a seed draws enters the update."""
+    sampled_kl = run.startswith("loss:") and run != "loss:full" and regime.kl == "sampled"
+    return regime.pg == "exact" and not sampled_kl
+
+
+def run_grid(config: str, runs, betas, seeds, regime: Regime, out_dir: str, log=print) -> dict:
     """Every (run, beta, seed) from the warm start (no KL once per seed: beta does not enter it); writes and
-    returns {"states", "prediction", "runs": {f"{run}@{beta}": {seed: history}}, "timing_s"}."""
+    returns {"regime", "strata", "reference", "prediction", "runs": {f"{run}@{beta}": {seed: history}}, "tv":
+    {key: {seed: {stratum: mean}}}, "tv_per_state": {key: {seed: [per state]}}, "timing_s"}."""
     model, tokenizer, problems, temperature = load_warm_start(config)
     start_state = {k: v.clone() for k, v in model.state_dict().items()}
     states = decision_states(model, tokenizer, problems, temperature=temperature, pad_id=tokenizer.pad_token_id or 0)
     with torch.no_grad():
         ref_logits = decision_logits(model, states).double()
     ref_probs = torch.softmax(ref_logits / temperature, -1)
-    result = {"config": config, "steps": steps, "lr": lr, "n": N, "strata": states.strata,
+    result = {"config": config, "regime": asdict(regime), "strata": states.strata,
               "reference": {key: v.tolist() for key, v in exact_metrics(ref_logits, ref_logits, states,
                                                                            temperature).items()},
               "prediction": predict_states(ref_probs, states, betas), "runs": {}, "timing_s": {}, "tv": {},
+              "tv_per_state": {}, "limit_habit": {},
               "run_order": list(runs)}
     limit_policies = {beta: limits(ref_probs, states, beta) for beta in betas}
+    for beta, policies in limit_policies.items():  # each state's limit habit, for the per-state ends
+        result["limit_habit"][str(beta)] = {name: [round(v, 6) for v in limit_metrics(limit, ref_probs, states)[
+            "habit"].tolist()] for name, limit in policies.items()}
     os.makedirs(out_dir, exist_ok=True)
     for run in runs:
         for beta in ([betas[0]] if run == "no-kl" else betas):
             key = f"{run}@{beta}" if run != "no-kl" else "no-kl"
-            for seed in seeds:
+            for seed in seeds[:1] if deterministic(run, regime) else seeds:
                 model.load_state_dict(start_state)
                 began = time.perf_counter()
                 result["runs"].setdefault(key, {})[seed] = train(model, states, ref_logits.float(), run, beta, seed,
-                                                                 steps, lr, temperature=temperature)
+                                                                 regime, temperature=temperature)
                 result["timing_s"][f"{key}/{seed}"] = round(time.perf_counter() - began, 1)
                 with torch.no_grad():
                     end = torch.softmax(decision_logits(model, states).double() / temperature, -1)
                 tv = 0.5 * (end - limit_policies[beta][limit_of(run)]).abs().sum(-1)
                 result["tv"].setdefault(key, {})[seed] = by_stratum(tv, states)
+                result["tv_per_state"].setdefault(key, {})[seed] = [round(v, 6) for v in tv.tolist()]
                 log(f"{key} seed {seed}: {result['timing_s'][f'{key}/{seed}']} s")
                 with open(os.path.join(out_dir, f"decisions-{'-'.join(map(str, betas))}-{'-'.join(map(str, seeds))}.json"), "w") as f:
                     json.dump(result, f)
@@ -285,8 +343,11 @@ def load_results(out_dir: str) -> dict:
         with open(path) as f:
             result = json.load(f)
         if not merged:
-            merged = {**result, "runs": {}, "tv": {}, "timing_s": {}}
-        for part in ("runs", "tv"):
+            merged = {**result, "runs": {}, "tv": {}, "tv_per_state": {}, "timing_s": {}}
+        if result["regime"] != merged["regime"]:  # one regime a table
+            raise ValueError(f"{path} was run in regime {result['regime']}, not {merged['regime']}: one regime "
+                             "per --out directory")
+        for part in ("runs", "tv", "tv_per_state"):
             for key, seeds in result[part].items():
                 merged[part].setdefault(key, {}).update(seeds)
         merged["timing_s"].update(result["timing_s"])
@@ -301,39 +362,61 @@ def run_end(result: dict, key: str, seed, metric: str) -> torch.Tensor:
     return torch.tensor(result["runs"][key][seed][metric][-1], dtype=torch.float64)
 
 
+def as_regime(saved: dict) -> dict:
+    """A Regime's fields as json.dump saved them (train_strata back to a tuple)."""
+    return {**saved, "train_strata": tuple(saved["train_strata"])}
+
+
 def report(result: dict) -> str:
-    """Markdown: per beta and stratum, each run's end (mean ± 95% t-interval over seeds) against its limit, and
-    the paired k3 − k3+ differences against the predicted one."""
+    """Markdown: the regime; per beta and stratum, each run's end (mean ± 95% t-interval over seeds) against its
+    limit, its TV to the limit, how many of the stratum's states end with the habit past k3's lower clamp edge
+    and how many below their limit's habit; and the paired k3 − k3+ differences against the predicted one."""
+    from rlhf.kl import K3_CLAMP_EDGES
     from rlhf.stats import Estimate, paired_differences
 
-    strata = result["strata"]
+    strata, regime = result["strata"], result["regime"]
     members = {s: [i for i, name in enumerate(strata) if name == s] for s in STRATA}
+    ref_habit = torch.tensor(result["reference"]["habit"], dtype=torch.float64)
 
     def cell(values) -> str:
         e = Estimate(tuple(values))
         return f"{e.mean:.3f}" + (f" ± {e.half_width:.3f}" if e.half_width is not None else "")
 
-    lines = []
+    def counts(key, seeds, s, beta, run) -> str:
+        """'past / below': mean over seeds of the stratum's states whose habit ends past k3's lower edge (d <
+        -2.61) and below its limit's habit (by more than 0.005)."""
+        limit = torch.tensor(result["limit_habit"][str(beta)][limit_of(run)], dtype=torch.float64)[members[s]]
+        past, below = [], []
+        for seed in seeds:
+            habit = run_end(result, key, seed, "habit")[members[s]]
+            past.append(((habit / ref_habit[members[s]]).log() < K3_CLAMP_EDGES[0]).sum().item())
+            below.append((habit < limit - 0.005).sum().item())
+        return f"{sum(past) / len(seeds):.1f} / {sum(below) / len(seeds):.1f}"
+
+    lines = [f"Regime: policy gradient {regime['pg']}, KL loss {regime['kl']}, n = {regime['n']} tokens a state, "
+             f"{regime['steps']} Adam steps from lr {regime['lr']:g} (linear to 0), trained on strata "
+             f"{' and '.join(regime['train_strata'])}.", ""]
     betas = sorted({float(k.split("@")[1]) for k in result["runs"] if "@" in k})
     for beta in betas:
         pred = result["prediction"][str(beta)] if str(beta) in result["prediction"] else result["prediction"][beta]
         for s in STRATA:
-            lines += [f"**beta = {beta}, stratum {s}** ({len(members[s])} states; measured: mean ± 95% t-interval "
-                      "over seeds of the stratum's mean at the end; predicted: the limit's)", "",
-                      "| run | habit: measured / predicted | right token | KL(pi‖ref) | KL(ref‖pi) | TV to its limit |",
-                      "|---|---|---|---|---|---|"]
+            trained = "trained" if s in regime["train_strata"] else "measured only, not trained on"
+            lines += [f"**beta = {beta}, stratum {s}** ({len(members[s])} states, {trained}; measured: mean ± 95% "
+                      "t-interval over seeds of the stratum's mean at the end; predicted: the limit's)", "",
+                      "| run | seeds | habit: measured / predicted | right token | KL(pi‖ref) | KL(ref‖pi) | TV to its limit "
+                      "| states: habit past the edge / below its limit |",
+                      "|---|---|---|---|---|---|---|---|"]
             for run in result["run_order"]:
                 key = "no-kl" if run == "no-kl" else f"{run}@{beta}"
                 if key not in result["runs"]:
                     continue
-                seeds = sorted(result["runs"][key])
+                seeds = sorted(result["runs"][key])[:1 if deterministic(run, Regime(**as_regime(regime))) else None]
                 limit = pred[limit_of(run)][s]
-                row = [run]
+                row = [run, str(len(seeds))]
                 for metric in METRICS:
                     values = [run_end(result, key, seed, metric)[members[s]].mean().item() for seed in seeds]
                     row.append(f"{cell(values)} / {limit[metric]:.3f}")
-                tv = [result["tv"][key][seed][s] for seed in seeds] if "tv" in result else []
-                row.append(cell(tv) if tv else "n/a")
+                row += [cell([result["tv"][key][seed][s] for seed in seeds]), counts(key, seeds, s, beta, run)]
                 lines.append("| " + " | ".join(row) + " |")
             lines.append("")
             k3, k3p = f"loss:k3@{beta}", f"loss:k3+@{beta}"
@@ -356,9 +439,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--predict", action="store_true", help="print the prediction only (no training)")
     parser.add_argument("--runs", nargs="+", default=list(RUNS))
     parser.add_argument("--beta", type=float, nargs="+", default=[0.2, 0.3])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44, 45, 46])
+    default = Regime()
+    parser.add_argument("--pg", choices=PG, default=default.pg,
+                        help="the policy gradient: summed over the vocabulary (exact) or RLOO over --n samples")
+    parser.add_argument("--kl", choices=KL, default=default.kl,
+                        help="a KL loss: its mean over --n samples (sampled) or its expectation over the vocabulary")
+    parser.add_argument("--n", type=int, default=default.n, help="tokens sampled per state")
+    parser.add_argument("--steps", type=int, default=default.steps)
+    parser.add_argument("--lr", type=float, default=default.lr, help="Adam's initial learning rate (to 0 linearly)")
+    parser.add_argument("--train-strata", nargs="+", choices=list(STRATA), default=list(default.train_strata),
+                        help="train on these strata's states only (the others are measured, not trained on)")
     parser.add_argument("--out", default="outputs/decisions")
     parser.add_argument("--report-only", action="store_true", help="the report from --out's decisions*.json")
     args = parser.parse_args(argv)
@@ -374,7 +465,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(pred, indent=1))
         return
     if not args.report_only:
-        run_grid(args.config, args.runs, args.beta, args.seeds, args.steps, args.lr, args.out)
+        regime = Regime(args.pg, args.kl, args.n, args.steps, args.lr, tuple(args.train_strata))
+        run_grid(args.config, args.runs, args.beta, args.seeds, regime, args.out)
     text = report(load_results(args.out))
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write(text + "\n")

@@ -1,6 +1,8 @@
 """lab/decisions.py: the decision states and strata, the reward, the loss terms' expected gradients, and the exact
 metrics, on crafted models whose probabilities are set."""
 
+import math
+
 import pytest
 import torch
 
@@ -74,23 +76,105 @@ def mean_gradient(run: str, beta: float, n: int = 200_000):
     return grad, torch.softmax(logits.detach(), -1), torch.softmax(ref, -1)
 
 
-@pytest.mark.parametrize("run, direction", [("no-kl", None), ("loss:k3", "forward"), ("loss:k3+", "reverse"),
-                                            ("loss:k3-corrected", "reverse"), ("loss:full", "reverse")])
-def test_the_loss_gradient_is_the_reward_gradient_plus_beta_times_the_kls(run, direction):
-    """Reward 1 for the right token only: the policy-gradient part's expected gradient (of the loss, per state
-    averaged over the samples, so over the two states / 2) is -pi_right (onehot_right - pi); a KL in the loss adds
-    beta times grad KL(ref || pi) = pi - ref for k3, grad KL(pi || ref) for k3+, full and corrected k3."""
-    beta = 0.3
-    grad, pi, ref = mean_gradient(run, beta)
+def expected_gradient(run: str, beta: float, pi, ref):
+    """Per state: the policy gradient of reward 1 for the right token, -pi_right (onehot_right - pi), plus beta
+    times grad KL(ref || pi) = pi - ref for k3 in the loss and grad KL(pi || ref) for k1 in the reward and k3+
+    and full in the loss (no clamp binds: |d| < 2.61)."""
     onehot = torch.zeros(V, dtype=torch.float64)
     onehot[RIGHT] = 1.0
     expected = -pi[:, RIGHT:RIGHT + 1] * (onehot - pi)
-    if direction == "forward":
-        expected = expected + beta * (pi - ref)
-    elif direction == "reverse":
-        d = (pi / ref).log()
-        expected = expected + beta * pi * (d - (pi * d).sum(-1, keepdim=True))
+    d = (pi / ref).log()
+    if run == "loss:k3":
+        return expected + beta * (pi - ref)
+    if run != "no-kl":
+        return expected + beta * pi * (d - (pi * d).sum(-1, keepdim=True))
+    return expected
+
+
+@pytest.mark.parametrize("run", ["no-kl", "loss:k3", "loss:k3+", "loss:full"])
+def test_the_loss_gradient_is_the_reward_gradient_plus_beta_times_the_kls(run):
+    """Sampled (as the trainer): the mean over samples of each state's gradient, so over the two states / 2."""
+    beta = 0.3
+    grad, pi, ref = mean_gradient(run, beta)
+    expected = expected_gradient(run, beta, pi, ref)
     assert torch.allclose(grad * 2, expected, atol=4e-3), (grad * 2 - expected).abs().max()
+
+
+@pytest.mark.parametrize("run", decisions.RUNS)
+def test_the_exact_policy_gradient_and_the_expected_kl_are_exact(run):
+    """pg="exact" sums the policy gradient over the vocabulary and kl="expected" the KL loss's expectation, so
+    with both the step's gradient is the expected one to float precision, for every run and with 4 samples; with
+    pg="exact" alone, runs without a sampled KL (no KL, k1 in the reward, full) are exact too."""
+    beta = 0.3
+    generator = torch.Generator().manual_seed(1)
+    ref_logits = 0.5 * torch.randn(2, V, generator=generator, dtype=torch.float64)
+    logits = (0.5 * torch.randn(2, V, generator=generator, dtype=torch.float64)).requires_grad_(True)
+    pi, ref = torch.softmax(logits.detach(), -1), torch.softmax(ref_logits, -1)
+    expected = expected_gradient(run, beta, pi, ref)
+    for kl in ("expected", "sampled"):
+        loss = loss_terms(logits, ref_logits, two_states(), run, beta, torch.Generator().manual_seed(2), n=4,
+                          pg="exact", kl=kl)
+        (grad,) = torch.autograd.grad(loss, logits)
+        exact = kl == "expected" or run in ("no-kl", "reward:k1", "loss:full")
+        assert torch.allclose(grad * 2, expected, atol=1e-12) == exact, (run, kl)
+        assert decisions.deterministic(run, decisions.Regime(pg="exact", kl=kl)) == exact
+        assert not decisions.deterministic(run, decisions.Regime(pg="sampled", kl=kl))
+
+
+def test_the_expected_k3_loss_keeps_k3s_clamp():
+    """kl="expected" is the estimator's own expected loss gradient, clamp included: a token past k3's lower edge
+    (d = -4) adds nothing to it, where the forward KL's pi - ref would pull it up."""
+    ref = torch.tensor([[0.6, 0.2, 0.1, 0.05, 0.03, 0.02]], dtype=torch.float64)
+    pi = ref.clone()
+    pi[0, 0] = ref[0, 0] * math.exp(-4.0)
+    pi = pi / pi.sum()
+    logits = pi.log().requires_grad_(True)
+    states = States(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), torch.tensor([HABIT]),
+                    torch.tensor([RIGHT]), ["A"])
+    grad, grad_without_kl = (torch.autograd.grad(loss_terms(logits, ref.log(), states, run, 1.0, torch.Generator(),
+                                                            pg="exact", kl="expected"), logits)[0]
+                             for run in ("loss:k3", "no-kl"))
+    grad = grad - grad_without_kl
+    d = (pi / ref).log()[0]
+    slope = torch.where(d < -2.61087, 0.0, -torch.expm1(-d))
+    want = pi[0] * slope - pi[0] * (pi[0] @ slope)
+    assert torch.allclose(grad[0], want, atol=1e-12)
+    assert not torch.allclose(grad[0], (pi - ref)[0], atol=1e-3)
+
+
+def test_regime_refuses_unknown_settings():
+    with pytest.raises(ValueError, match="policy gradient"):
+        decisions.Regime(pg="adjoint")
+    with pytest.raises(ValueError, match="policy gradient"):
+        decisions.Regime(kl="sometimes")
+    with pytest.raises(ValueError, match="train strata"):
+        decisions.Regime(train_strata=("C",))
+    with pytest.raises(ValueError, match="train strata"):
+        decisions.Regime(train_strata=())
+
+
+class PerStateLogits(torch.nn.Module):
+    """A 'model' whose logits at a state are one free row per first context token: states share no parameter."""
+
+    def __init__(self, num_states: int):
+        super().__init__()
+        self.rows = torch.nn.Parameter(torch.zeros(num_states, V))
+
+    def forward(self, input_ids, attention_mask=None):
+        return type("Out", (), {"logits": self.rows[input_ids[:, 0]][:, None].expand(-1, input_ids.shape[1], V)})
+
+
+def test_only_the_trained_strata_are_trained_and_every_state_is_measured():
+    states = States(torch.tensor([[0], [1]]), torch.ones(2, dtype=torch.long), torch.tensor([HABIT, HABIT]),
+                    torch.tensor([RIGHT, RIGHT]), ["A", "B"])
+    model = PerStateLogits(2)
+    ref_logits = torch.zeros(2, V)
+    history = decisions.train(model, states, ref_logits, "loss:k3+", 0.3, 0,
+                              decisions.Regime(steps=5, train_strata=("B",)), log_every=1)
+    assert torch.equal(model.rows[0], torch.zeros(V)) and not torch.equal(model.rows[1], torch.zeros(V))
+    assert history["steps"] == [0, 1, 2, 3, 4, 5] and all(len(row) == 2 for row in history["right"])
+    assert history["right"][-1][1] > history["right"][0][1]  # B's right token rises; A's stays
+    assert history["right"][-1][0] == history["right"][0][0]
 
 
 def test_k1_in_the_reward_is_the_reverse_kls_gradient_and_a_bad_run_is_refused():
@@ -117,3 +201,28 @@ def test_the_limits_keep_the_references_ratios_within_the_zero_class():
     tilted = ref.clone()
     tilted[:, RIGHT] *= torch.exp(torch.tensor(1 / 0.3))
     assert torch.allclose(reverse, tilted / tilted.sum(-1, keepdim=True))
+
+
+def test_the_sweep_runs_the_default_regime(monkeypatch):
+    """configs/sweeps/decisions.yaml and `python -m lab.decisions` (its defaults) run the same grid."""
+    import argparse
+    import os
+
+    import yaml
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "configs", "sweeps", "decisions.yaml")) as f:
+        params = yaml.safe_load(f)["parameters"]
+    default = decisions.Regime()
+    regime = {key: getattr(default, key) for key in ("pg", "kl", "n", "steps", "lr")}
+    assert {key: params[key]["value"] for key in regime} == regime
+    parse, parsed = argparse.ArgumentParser.parse_args, {}
+
+    def parse_and_stop(self, argv=None, namespace=None):
+        parsed.update(vars(parse(self, argv, namespace)))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    with pytest.raises(SystemExit):
+        decisions.main([])
+    assert parsed["seeds"] == params["seeds"]["values"] and sorted(parsed["beta"]) == sorted(params["beta"]["values"])
+    assert {key: parsed[key] for key in regime} == regime
