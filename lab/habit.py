@@ -109,6 +109,25 @@ def habit_limits(ref_probs: torch.Tensor, beta: float) -> dict[str, torch.Tensor
             "reverse": reverse_kl_optimum(ref_probs, rewards, beta)[:, 0]}
 
 
+def edge_margins(ref_probs: torch.Tensor, beta) -> torch.Tensor:
+    """(N,) nats between the forward-KL optimum and k3's lower clamp edge at each decision of `ref_probs` (N, 3):
+    the habit's d = log(beta / lam) there (every token scored 0 shares it) minus the edge's -2.61087; negative
+    where the optimum lies past the edge, where a k3 loss no longer holds it. `beta` a float or (N, 1)."""
+    from rlhf.kl import K3_CLAMP_EDGES
+
+    return (habit_limits(ref_probs, beta)["forward"] / ref_probs[:, 0]).log() - K3_CLAMP_EDGES[0]
+
+
+def crossing_betas(ref_probs: torch.Tensor) -> torch.Tensor:
+    """(N,) the coefficient below which each decision's forward-KL optimum lies past k3's clamp edge: the root of
+    edge_margins in beta (it increases with beta), by bisection on [1e-3, 1]."""
+    from lab.theory.optima import _bisect
+
+    n = len(ref_probs)
+    return _bisect(lambda beta: edge_margins(ref_probs, beta)[:, None], torch.full((n, 1), 1e-3, dtype=torch.float64),
+                   torch.ones(n, 1, dtype=torch.float64))[:, 0]
+
+
 def solver_limits(ref_probs: torch.Tensor, beta: float, advantage: str = "rloo", n: int | None = 4
                   ) -> dict[str, torch.Tensor]:
     """(N,) the habit's probability where the exact solver (lab.theory.fixed_points) takes k3 and k3+ in
@@ -136,9 +155,15 @@ def predict(model, tokenizer, problems, betas, temperature: float = 1.0, advanta
     out = {"num_problems": total, "num_habit_prone": len(ref), "q_mean": ref[:, 0].mean().item(),
            "q_median": ref[:, 0].median().item(), "right_median": ref[:, 1].median().item(),
            "reference_rate": ref[:, 0].sum().item() / total, "advantage": advantage, "n": n, "betas": {}}
+    crossing = crossing_betas(ref)
+    out["crossing_beta"] = {"min": crossing.min().item(), "median": crossing.median().item(),
+                            "max": crossing.max().item()}
     for beta in betas:
         limits = {**solver_limits(ref, beta, advantage, n), "forward_optimum": habit_limits(ref, beta)["forward"]}
         out["betas"][beta] = {name: pi.sum().item() / total for name, pi in limits.items()}
+        margins = edge_margins(ref, beta)
+        out["betas"][beta]["margin"] = {"min": margins.min().item(), "median": margins.median().item(),
+                                        "past": int((margins < 0).sum())}
     return out
 
 
@@ -192,6 +217,14 @@ def print_prediction(config: str, betas: list[float]) -> None:
     print("|---|---|---|---|")
     for beta, limits in pred["betas"].items():
         print(f"| {beta} | {limits['k3']:.3f} | {limits['k3+']:.3f} | {limits['forward_optimum']:.3f} |")
+    crossing = pred["crossing_beta"]
+    print(f"\nThe forward-KL optimum lies past k3's clamp edge (d = -2.61087) below beta = {crossing['min']:.4f} to "
+          f"{crossing['max']:.4f} (median {crossing['median']:.4f}) over the {pred['num_habit_prone']} decisions. "
+          "The margin between the optimum and the edge, nats (min / median, and how many decisions lie past it):\n")
+    print("| beta | " + " | ".join(str(beta) for beta in pred["betas"]) + " |")
+    print("|---" * (len(pred["betas"]) + 1) + "|")
+    print("| margin | " + " | ".join(f"{m['min']:.3f} / {m['median']:.3f} ({m['past']} past)"
+                                    for m in (limits["margin"] for limits in pred["betas"].values())) + " |")
 
 
 def main(argv: list[str] | None = None) -> None:

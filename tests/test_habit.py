@@ -176,6 +176,26 @@ def test_k3s_clamp_removes_the_floor_only_where_the_optimum_lies_past_its_edge()
     assert bandit_fixed_point(row, rewards, 0.06, "k3", "loss", advantage="rloo", n=4)[0] < 1e-9
 
 
+def test_the_crossing_coefficient_puts_the_optimum_on_k3s_edge():
+    """crossing_betas is where edge_margins is 0: the forward optimum's d = log(beta / lam) equals the edge, as
+    the closed form lam = ((1 + beta) + sqrt((1 + beta)^2 - 4 beta (1 - p))) / 2 (rewards 0, 1, 0) gives; above
+    it the optimum lies inside the edge (margin > 0), below it past (margin < 0)."""
+    import math
+
+    from lab.habit import crossing_betas, edge_margins
+    from rlhf.kl import K3_CLAMP_EDGES
+
+    ref = decisions([0.82, 0.10, 0.08], [0.849, 0.035, 0.116], [0.5, 0.3, 0.2])
+    crossing = crossing_betas(ref)
+    for row, beta in zip(ref.tolist(), crossing.tolist()):
+        p = row[1]
+        lam = ((1 + beta) + math.sqrt((1 + beta) ** 2 - 4 * beta * (1 - p))) / 2
+        assert math.log(beta / lam) == pytest.approx(K3_CLAMP_EDGES[0], abs=1e-9)
+        one = torch.tensor([row], dtype=torch.float64)
+        assert edge_margins(one, beta * 1.01).item() > 0 > edge_margins(one, beta * 0.99).item()
+    assert 0.07 < crossing.min().item() < crossing.max().item() < 0.08
+
+
 def test_decision_probabilities_find_the_decision_token():
     """At the first token where the habit's and the right response part (after the common "#### 1" when the
     numbers share a digit; then the right one ends), the model's probabilities of the two tokens."""
