@@ -778,3 +778,23 @@ def test_the_solvers_step_size_does_not_change_its_answer(beta, advantage, n, mo
     for other in answers[1:]:
         assert torch.allclose(other, answers[0], atol=1e-9, rtol=0)
     assert answers[0][0].item() > 0.05  # the floor, not the corner
+
+
+@pytest.mark.parametrize("margin, same", [(0.01, True), (0.002, False)])
+def test_the_solver_resolves_an_optimum_down_to_a_hundredth_of_a_nat_from_the_edge(margin, same, monkeypatch):
+    """Where the forward optimum lies 0.01 nats inside k3's clamp edge, initial steps from 0.05 to 50 all stop on
+    it; at 0.002 nats a move still jumps the window and the habit dies (docs/kl.md, 'The habit a forward KL
+    keeps', says so): the probes are finite."""
+    from lab.habit import crossing_betas, edge_margins, habit_limits
+    from lab.theory.optima import _bisect
+
+    row = DECISION_REF[None]
+    low = crossing_betas(row)
+    beta = _bisect(lambda b: edge_margins(row, b) - margin, low, low + 0.05).item()
+    optimum = habit_limits(row, beta)["forward"].item()
+    answers = []
+    for initial in (0.05, 0.5, 5.0, 50.0):
+        monkeypatch.setattr(fp, "_STEP", initial)
+        answers.append(bandit_fixed_point(DECISION_REF, DECISION_REWARDS, beta, "k3", "loss", advantage="rloo",
+                                          n=4)[0].item())
+    assert all(abs(a - optimum) < 1e-6 for a in answers) == same, answers

@@ -35,7 +35,7 @@ K3_LOWER_EDGE, K3_UPPER_EDGE = -2.610868638149876, 10.999983298020256  # where e
 VOCABULARIES = {
     "inside": [(0.1, -1.5), (0.3, 0.8), (0.1, 2.0)],
     "just past the lower edge": [(0.03, -2.62), (0.03, -2.60), (0.2, 0.5)],
-    "the issue's d = -4.99": [(0.004, -4.99), (0.3, 0.4)],
+    "one token at d = -4.99": [(0.004, -4.99), (0.3, 0.4)],
     "far below": [(1e-7, -15.0), (1e-4, -8.0), (0.05, -1.0)],
     "above the upper edge": [(0.2, 10.9), (0.2, 11.1), (0.2, 15.0)],
     "every side": [(1e-7, -15.0), (0.001, -4.99), (0.01, -2.62), (0.1, -0.3), (0.15, 10.9), (0.15, 11.1), (0.1, 15.0)],
@@ -146,7 +146,7 @@ def test_the_vocabularies_hold_tokens_on_both_sides_of_every_edge():
     assert math.isclose(math.expm1(-K3_UPPER_EDGE) + K3_UPPER_EDGE, 10.0, rel_tol=1e-14)
 
 
-@pytest.mark.parametrize("vocab", ["the issue's d = -4.99", "far below", "above the upper edge"])
+@pytest.mark.parametrize("vocab", ["one token at d = -4.99", "far below", "above the upper edge"])
 def test_where_k3s_clamp_changes_the_target(vocab):
     """Past an edge k3's value is flat: as a loss, on-policy, such a token adds no gradient (so k3's loss no longer
     follows grad KL(ref || pi)), and in the reward it is the constant 10 (so not rev - fwd either). Corrected, the
@@ -164,7 +164,7 @@ def test_corrected_k3_pulls_a_token_below_the_edge_up():
     """A token the policy gives far less than the reference (d = -4.99): the reverse KL's gradient raises it
     (descent moves its logit by -grad > 0), and so does corrected k3's, on- and off-policy; on its own sample,
     d(rho k3)/d log pi is d, as k2's, not k3's clamped value 10."""
-    pi, ref = vocabulary("the issue's d = -4.99")
+    pi, ref = vocabulary("one token at d = -4.99")
     for old in (pi, old_policy(pi)):
         grad = expected_gradient("k3", "loss-corrected", pi, ref, old)
         assert grad[0] < 0
