@@ -61,8 +61,9 @@ class Regime:
 # three seeds", has what `--seeds 3` resolves and how long it takes).
 # `small`: the configs' own learning rate and coefficient (0.01 in configs/tiny.yaml), 20 steps: the
 # policy stays so close to pi_ref that no placement's effect resolves; the grpo grid's default.
-# `binding`: where a KL loss decides where training stops, so that k3 (the forward KL) and k3+ (the reverse
-# KL) part on the planted habit (docs/kl.md, "The habit a forward KL keeps"). RLOO, because its advantages
+# `binding`: set up for a KL loss to decide where training stops, so that k3 (the forward KL) and k3+ (the
+# reverse KL) part on the planted habit (docs/kl.md, "The habit a forward KL keeps"); measured, its runs are
+# noise-dominated and end far from those limits (docs/results.md, "The KL binds"). RLOO, because its advantages
 # leave the coefficient as set (GAE's whitening and GRPO's std take both KL losses towards the corner);
 # coefficient 0.3, where verl's clamp leaves k3's floor alone and the two limits lie 0.11 apart in habit
 # rate; configs/tiny_grpo.yaml's batch (16 prompts x 4 responses) and learning rate 3e-4 (2e-4 moved the
