@@ -396,7 +396,8 @@ def report(result: dict) -> str:
     lines = [f"Regime: policy gradient {regime['pg']}, KL loss {regime['kl']}, n = {regime['n']} tokens a state, "
              f"{regime['steps']} Adam steps from lr {regime['lr']:g} (linear to 0), trained on strata "
              f"{' and '.join(regime['train_strata'])}.", ""]
-    betas = sorted({float(k.split("@")[1]) for k in result["runs"] if "@" in k})
+    # the coefficients run; no KL's limit is the same at every one, so a grid of no KL alone reports at the first
+    betas = sorted({float(k.split("@")[1]) for k in result["runs"] if "@" in k}) or [float(next(iter(result["prediction"])))]
     for beta in betas:
         pred = result["prediction"][str(beta)] if str(beta) in result["prediction"] else result["prediction"][beta]
         for s in STRATA:
