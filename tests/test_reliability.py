@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from helpers import REPO, assert_same_rows, tiny_overrides, tiny_qwen2
 
 import rlhf.setup
+import rlhf.step
 import train
 from rlhf import core_algos
 from rlhf.checkpoint import latest_checkpoint, list_checkpoints, tied_weights_stored_once
@@ -144,7 +145,7 @@ def test_ctrl_c_saves_a_checkpoint_and_stops(artifacts, tmp_path, monkeypatch, c
 
     def interrupted_step(*args, **kwargs):
         out = original(*args, **kwargs)
-        if args[3] == 2:  # the step number: train_step(cfg, accelerator, run, step, ...)
+        if args[4] == 2:  # the step number: train_step(cfg, plan, accelerator, run, step, ...)
             os.kill(os.getpid(), signal.SIGINT)
         return out
 
@@ -207,7 +208,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_pa
     the last one written: no checkpoint is written during a run of bad steps. Either a non-finite loss value
     or a non-finite gradient norm skips the update."""
     seen = {}
-    original_prepare, original_update, original_loss = (rlhf.setup.prepare_data_and_models, train.ppo_update,
+    original_prepare, original_update, original_loss = (rlhf.setup.prepare_data_and_models, rlhf.step.ppo_epochs,
                                                          core_algos.policy_loss)
 
     def spy(cfg, accelerator):
@@ -225,7 +226,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_pa
             return original_update(*args, **kwargs)
 
     monkeypatch.setattr(rlhf.setup, "prepare_data_and_models", spy)
-    monkeypatch.setattr(train, "ppo_update", update)
+    monkeypatch.setattr(rlhf.step, "ppo_epochs", update)
     out = str(tmp_path / "run")
     with pytest.raises(train.BadStepsError) as err:
         run(artifacts, out, "trainer.total_steps=8", "trainer.max_bad_steps=2", "trainer.max_ckpt_to_keep=10")
