@@ -331,3 +331,14 @@ def test_only_the_tied_embedding_warning_is_silenced(caplog):
     with caplog.at_level(logging.WARNING):  # outside the block accelerate's warning is back
         clean_state_dict_for_safetensors(model.state_dict())
     assert "Removed shared tensor {'lm_head.weight'}" in caplog.text
+
+
+def test_a_trainer_state_saved_under_the_earlier_name_of_the_prompt_order_loads():
+    """Checkpoints written before the prompt order had its own name hold it under "sampler"."""
+    from rlhf.checkpoint import TrainerState
+
+    state = TrainerState()
+    state.load_state_dict({"step": 3, "sampler": {"epoch": 1, "position": 8}, "kl_ctrl": {"value": 0.1},
+                           "bad_steps": 0, "wandb_run_id": None})
+    assert state.prompt_order == {"epoch": 1, "position": 8} and "sampler" not in vars(state)
+    assert TrainerState(**state.state_dict()) == state
