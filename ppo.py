@@ -1,6 +1,6 @@
 """PPO with a KL penalty on GSM8K-shaped problems, the whole algorithm in one file, to read in a sitting.
 
-    python ppo.py                                     # about 5 minutes on 2 CPU cores, no network
+    python ppo.py                                     # a few minutes on 2 CPU cores, no network
     python ppo.py --reward-kl none --loss-kl k3+      # the KL in the actor's loss instead of the reward
 
 One step: sample a response to each of 64 problems -> score it by GSM8K's rule (1 for the right `#### N`) ->
