@@ -91,7 +91,8 @@ def sequences(actor, tokenizer, prompts, max_new_tokens, temperature=None):
     (B, P+R) = left-padded prompt + response, response_ids (B, R), response_mask (B, R): 1 up to and including
     the first end-of-sequence token."""
     inputs = tokenizer(prompts, padding=True, add_special_tokens=False, return_tensors="pt").to(actor.device)
-    # No top-k/top-p: the tokens are samples of pi itself, which every KL estimator assumes.
+    # No top-k/top-p: the tokens are samples of pi itself, as every KL estimator assumes (the embedded model's
+    # generation_config.json sets nothing else; a hub model's may: docs/training.md#sampling).
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
     out = actor.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
     response_ids = out[:, inputs["input_ids"].shape[1]:]
