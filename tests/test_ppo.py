@@ -134,7 +134,8 @@ def test_when_to_evaluate_and_checkpoint():
 def test_old_logprobs_come_from_the_forward_pass_only_where_nothing_else_has_them():
     """step.old_logprobs_from over the configurations that decide it (defaults: the KL panel on, k1 in the
     reward, one epoch of 4 mini-batches), without and with the sampler's log-probs kept, and the plan's."""
-    quiet, no_reward, on_policy = "trainer.log_kl_panel=false", "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=64"
+    quiet, no_reward = "trainer.log_kl_panel=false", "algorithm.use_kl_in_reward=false"
+    on_policy = "actor.ppo_mini_batch_size=64"
     cases = [  # overrides, source without / with the sampler's log-probs, whether the rollout computes the exact KL
         ([], "forward", "forward", True),  # the panel's kl/full needs the actor's logits
         ([quiet], "forward", "sampler", False),  # k1 in the reward: needed before the update
@@ -152,7 +153,8 @@ def test_old_logprobs_come_from_the_forward_pass_only_where_nothing_else_has_the
         plan = step.plan_step(cfg, "no")  # float32 weights without mixed precision: the sampler's are kept
         assert (plan.old_logprobs_from, plan.rollout_full_kl) == (with_sampler, full), overrides
     default = load_config(None, [])
-    assert step.plan_step(default, "no").keep_sampler_logprobs and not step.plan_step(default, "bf16").keep_sampler_logprobs
+    assert step.plan_step(default, "no").keep_sampler_logprobs
+    assert not step.plan_step(default, "bf16").keep_sampler_logprobs
     assert not step.plan_step(load_config(None, ["model.dtype=bfloat16"]), "no").keep_sampler_logprobs
     assert step.plan_step(load_config(None, ["rollout.logprobs_from_sampler=true"]), "bf16").keep_sampler_logprobs
     assert not step.plan_step(load_config(None, ["rollout.logprobs_from_sampler=false"]), "no").keep_sampler_logprobs
@@ -229,7 +231,8 @@ def rollout(cfg, accelerator, models, tokenizer, rows, group_ids, timer=None):
 def one_file(cfg) -> ppo.Args:
     """ppo.py's settings for the trainer's config (ppo.py covers GAE, one response per prompt, the token mean)."""
     a, ac = cfg.algorithm, cfg.actor
-    assert (a.adv_estimator, cfg.rollout.n, ac.loss_agg_mode, ac.grad_clip) == ("gae", 1, "token-mean", cfg.critic.grad_clip)
+    assert (a.adv_estimator, cfg.rollout.n, ac.loss_agg_mode) == ("gae", 1, "token-mean")
+    assert ac.grad_clip == cfg.critic.grad_clip
     return ppo.Args(seed=cfg.trainer.seed, temperature=cfg.rollout.temperature, ppo_epochs=ac.ppo_epochs,
                     mini_batch_size=ac.ppo_mini_batch_size, clip_ratio=ac.clip_ratio, clip_ratio_c=ac.clip_ratio_c,
                     cliprange_value=cfg.critic.cliprange_value, grad_clip=ac.grad_clip, gamma=a.gamma, lam=a.lam,
