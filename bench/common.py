@@ -227,7 +227,7 @@ def forward_batch_sizes(model, sizes: list[int]):
 
 
 class PhaseTimer(Timer):
-    """The trainer's timer (`with timer(name): ...`, `seconds`), passed into `train.train_step`, with what the
+    """The trainer's timer (`with timer(name): ...`, `seconds`), passed into `rlhf.step.train_step`, with what the
     benchmark needs around each phase: a profiler range `phase/<name>`, a GPU synchronisation before the
     phase's time is taken (so "gen" is the synchronised generation time), and, during "gen", a count of the
     forward passes of `model` (the unwrapped actor) appended to `decode_steps`."""
@@ -281,7 +281,7 @@ def our_config(workdir: str, log_kl_panel: bool, gpu: bool, recompute: str = "au
 
 class OursSide:
     """Our trainer's step on the trainer's own set-up (`rlhf.setup.load_models`, `rlhf.setup.build_setup`:
-    seed, AdamW optimizers, accelerate, prompt sampler, KL controller); `step()` runs `train.train_step`
+    seed, AdamW optimizers, accelerate, prompt order, KL controller); `step()` runs `rlhf.step.train_step`
     once with `cfg_panel`, or with `cfg_minimal` (the same with `trainer.log_kl_panel=false`)."""
 
     def __init__(self, name: str, cfg_panel, cfg_minimal, tokenizer, prompts: dict):
@@ -302,18 +302,19 @@ class OursSide:
         self.last_metrics: dict[str, float] = {}
 
     def step(self, log_kl_panel: bool = True, timer: PhaseTimer | None = None, cfg=None) -> dict[str, float]:
-        """One `train.train_step` with `cfg` (a variant of `cfg_panel` on the same models), else `cfg_panel` or
-        `cfg_minimal`: {"step": wall s, each timer phase's s, "gen_synced": the "gen" phase}."""
-        from train import train_step
+        """One `rlhf.step.train_step` with `cfg` (a variant of `cfg_panel` on the same models), else `cfg_panel`
+        or `cfg_minimal`: {"step": wall s, each timer phase's s, "gen_synced": the "gen" phase}."""
+        from rlhf.step import plan_step, train_step
 
         timer = timer or PhaseTimer(self.actor)
         cfg = cfg or (self.cfg_panel if log_kl_panel else self.cfg_minimal)
+        plan = plan_step(cfg, self.accelerator.mixed_precision)  # as train.py's main does, once per config
         self.num_steps += 1
         start = time.perf_counter()
-        metrics, *_ = train_step(cfg, self.accelerator, self.run, self.num_steps, timer)
+        result = train_step(cfg, plan, self.accelerator, self.run, self.num_steps, timer)
         sync()
         seconds = time.perf_counter() - start
-        self.last_metrics = metrics
+        self.last_metrics = result.metrics
         return {"step": seconds, **timer.seconds, "gen_synced": timer.seconds["gen"]}
 
 

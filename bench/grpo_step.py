@@ -1,4 +1,4 @@
-"""One GRPO step of our trainer (`train.train_step`, `algorithm.adv_estimator=grpo`) against TRL's
+"""One GRPO step of our trainer (`rlhf.step.train_step`, `algorithm.adv_estimator=grpo`) against TRL's
 GRPOTrainer and against the floor (the same model passes done bare), on identical work; with our step's
 old-log-prob pass and without it, with the KL panel, and our GAE step (with its critic) beside it.
 
@@ -12,7 +12,7 @@ bench/common.py's; the floor is bench/floor.py's `GroupFloorSide`. The work, ide
 first 8 of the workload's prompts x n=4 = 32 sequences of 64 sampled tokens at temperature 1, never
 stopping at EOS; the model as policy and frozen reference; float32 (--gpu: bf16 autocast); one optimizer
 step per step over one forward/backward of all 32, so the update is exactly on-policy.
-- ours (`group_config`): `rlhf.setup.load_models` (no critic) + `build_setup`, then `train.train_step`;
+- ours (`group_config`): `rlhf.setup.load_models` (no critic) + `build_setup`, then `rlhf.step.train_step`;
   group-std advantages, k3+ KL in the loss (coef 0.05, none in the reward), token-mean loss, clip 0.2,
   grad clip 1.0, fused AdamW at lr 3e-6 constant, rollout.ignore_eos=true, trainer.log_kl_panel=false.
   Rows: "ours" (actor.recompute_old_logprobs=auto: the update's own detached log-probs are the old ones,
@@ -36,7 +36,7 @@ Timing, in this one process, interleaved round by round (the order rotates) afte
 `on_step_end`; one timed step is one iteration of its training loop, from the thread's release to the next
 `on_step_end`, with its phases from wrappers around `policy.generate`, `_get_per_token_logps_and_entropies`
 (reference / old-policy forwards) and `_prepare_inputs` (the whole rollout: generation, reward, reference,
-advantages). Ours: `train.train_step`'s own timer. Before timing, one step per side is checked: 64 decoding
+advantages). Ours: `rlhf.step.train_step`'s own timer. Before timing, one step per side is checked: 64 decoding
 steps, one optimizer step per optimizer, 32 sequences in every policy forward, the KL where it belongs, the
 old-log-prob pass only where configured. Peak memory of a step, per side in a fresh subprocess, as
 bench/common.py says (not the models or optimizer state; the resident size before the steps shows GAE's critic).

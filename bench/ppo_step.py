@@ -1,4 +1,4 @@
-"""One PPO step of our trainer (`train.train_step`) against TRL's PPOTrainer on identical work, and
+"""One PPO step of our trainer (`rlhf.step.train_step`) against TRL's PPOTrainer on identical work, and
 against the floor (the same model passes done bare).
 
     pip install -e ".[bench]"                   # TRL 0.29.1 (PPOTrainer is gone from TRL 1.13 on)
@@ -24,9 +24,9 @@ round) after warm-up, medians over `--iters` rounds:
   the time from `on_train_begin` to `on_train_end`, i.e. exactly one iteration of TRL's training loop
   (data loading, rollout, reward model, GAE, PPO update, its logging and its gc.collect()).
   The per-call set-up before `on_train_begin` (a few small tensors) is not counted, in TRL's favour.
-- ours: the wall time of `train.train_step(...)` on the trainer's own set-up (`rlhf.setup.load_models` and
+- ours: the wall time of `rlhf.step.train_step(...)` on the trainer's own set-up (`rlhf.setup.load_models` and
   `rlhf.setup.build_setup` on the workload's prompts), and its per-phase timer: a `PhaseTimer` (a subclass of
-  `rlhf.tracking.Timer`, passed into `train_step`) that synchronises with the GPU before each phase's time
+  `rlhf.tracking.Timer`, passed into `rlhf.step.train_step`) that synchronises with the GPU before each phase's time
   is taken, opens a profiler range per phase and counts the actor's forwards while generating.
 - "ours, panel off": the same with `trainer.log_kl_panel=false` and the old-log-prob forward forced
   (`actor.recompute_old_logprobs=always`): the step without the KL panel's work, for the panel's cost.

@@ -17,7 +17,7 @@ import torch
 
 
 def gsm8k_reward(completions, ground_truth, **kwargs) -> list[float]:
-    """TRL reward function: our GSM8K rule on the decoded completions (as `rlhf.rewards.score_responses`)."""
+    """TRL reward function: our GSM8K rule on the decoded completions (as `rlhf.rewards.score_batch`)."""
     from rlhf.config import DataConfig
     from rlhf.rewards.gsm8k import compute_score
 

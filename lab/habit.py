@@ -39,8 +39,8 @@ def greedy_counts(model, tokenizer, problems, max_prompt_length: int, max_respon
     counts = Counter({c: 0 for c in CATEGORIES})
     for start in range(0, len(prompts), batch_size):
         ids = prompts[start:start + batch_size]["input_ids"]
-        batch = generate(model, tokenizer, *left_pad(ids, tokenizer.pad_token_id), params)
-        texts = tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True)
+        seq = generate(model, tokenizer, *left_pad(ids, tokenizer.pad_token_id), params)
+        texts = tokenizer.batch_decode(seq.response_ids, skip_special_tokens=True)
         counts.update(classify(t, a, method) for t, a in zip(texts, problems[start:start + batch_size]["answer"]))
     return counts
 

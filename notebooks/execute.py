@@ -30,7 +30,7 @@ KERNEL_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bars
 }
 # Run by the kernel before the first cell (an IPython startup file): tqdm's bars off, even where the code passes
-# disable=False (rlhf.evaluation's), and without tqdm.auto's warning that ipywidgets is not installed.
+# disable=False (rlhf.held_out's), and without tqdm.auto's warning that ipywidgets is not installed.
 QUIET_TQDM = """\
 import warnings
 

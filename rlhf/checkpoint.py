@@ -40,7 +40,7 @@ class TrainerState:
     """The loop's own state; registered with `accelerator.register_for_checkpointing`."""
 
     step: int = 0
-    sampler: dict = field(default_factory=dict)
+    prompt_order: dict = field(default_factory=dict)
     kl_ctrl: dict = field(default_factory=dict)
     bad_steps: int = 0
     wandb_run_id: str | None = None
@@ -50,7 +50,7 @@ class TrainerState:
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
-            setattr(self, key, value)
+            setattr(self, "prompt_order" if key == "sampler" else key, value)  # "sampler": its earlier name
 
 
 def checkpoint_root(output_dir: str) -> str:

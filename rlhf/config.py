@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from rlhf.config_checks import validate, warnings_for  # noqa: F401  (re-exported for the rest)
+from rlhf.config_checks import check_batch_sizes, validate, warnings_for  # noqa: F401  (re-exported for the rest)
 from rlhf.errors import ConfigError  # noqa: F401  (raised here, and imported from here by the rest)
 from rlhf.rewards.gsm8k import INSTRUCTION
 from rlhf.schema import _build, _check_key, _coerce
@@ -115,7 +115,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  # estimator for the loss (verl's default; see the KL table)
     kl_loss_coef: float = 0.001  # weight of the KL loss
     kl_loss_off_policy_correction: bool = False  # weight the KL loss by rho = pi/pi_old (exact after the first optimizer step; docs/kl.md)
-    recompute_old_logprobs: str = "auto"  # auto: the actor's old-log-prob forward runs only when nothing else gives the old log-probs (rlhf.ppo.old_logprobs_source, docs/training.md); always: every step
+    recompute_old_logprobs: str = "auto"  # auto: the actor's old-log-prob forward runs only when nothing else gives the old log-probs (rlhf.step.old_logprobs_from, docs/training.md); always: every step
 
 
 @dataclass

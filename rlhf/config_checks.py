@@ -1,9 +1,10 @@
 """The config's value checks, run before any model or data loads: `validate` (load_config runs it) raises
-ConfigError for a value that cannot work; `warnings_for` lists legal settings that are almost certainly a
+ConfigError for a value that cannot work, `check_batch_sizes` (train.py, for the processes launched) for batch
+sizes that do not divide over the processes; `warnings_for` lists legal settings that are almost certainly a
 mistake, printed once at start.
 
-Both take an rlhf.config.Config. Not imported: rlhf.config's load_config calls validate, and the import would
-tie the two into a circle; rlhf.config re-exports validate and warnings_for.
+All take an rlhf.config.Config. Not imported: rlhf.config's load_config calls validate, and the import would
+tie the two into a circle; rlhf.config re-exports validate, check_batch_sizes and warnings_for.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def _divides(small_key: str, small: int, big_key: str, big: int) -> None:
                           f"(divisors of {big}: {divisors}).")
 
 
-def validate(cfg, num_processes: int = 1) -> None:
-    """Check values (not just types). Raises ConfigError before anything expensive happens."""
+def validate(cfg) -> None:
+    """Check values (not just types), the batch sizes for one process (`check_batch_sizes`; train.py checks them
+    again for the processes launched). Raises ConfigError before anything expensive happens."""
     from rlhf import core_algos  # local imports: keep `rlhf.config` importable on its own
     from rlhf.kl import controllers, estimators
     from rlhf.data import looks_like_path
@@ -106,15 +108,7 @@ def validate(cfg, num_processes: int = 1) -> None:
     kc = a.kl_ctrl
     checked("algorithm.kl_ctrl", controllers.check_kl_ctrl, kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
 
-    # Batch arithmetic: global batch (prompts) -> per-process shares -> mini-batches (prompts, each with its
-    # rollout.n responses) -> micro-batches (responses).
-    _divides("actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, "data.train_batch_size", d.train_batch_size)
-    _divides("number of processes", num_processes, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size)
-    per_process_mini = ac.ppo_mini_batch_size // num_processes * r.n
-    # A micro-batch larger than the process's share of the mini-batch is that share, in one pass: a config
-    # runs unchanged on more processes.
-    _divides("actor.ppo_micro_batch_size", min(ac.ppo_micro_batch_size, per_process_mini),
-             "actor.ppo_mini_batch_size per process x rollout.n", per_process_mini)
+    check_batch_sizes(cfg, num_processes=1)
     task = checked("task.name", get_task, cfg.task.name)
     task_options(cfg)  # the task's own keys and their types
     checked(f"task.name={cfg.task.name}", task.check, cfg)
@@ -128,6 +122,19 @@ def validate(cfg, num_processes: int = 1) -> None:
             raise ConfigError(f"config key {key!r}: local model path {path!r} does not exist "
                               "(give a directory written by save_pretrained, a hub name like "
                               "'Qwen/Qwen2.5-0.5B-Instruct', or 'embedded').")
+
+
+def check_batch_sizes(cfg, num_processes: int) -> None:
+    """The batch arithmetic: the global batch (prompts) -> per-process shares -> mini-batches (prompts, each with
+    its rollout.n responses) -> micro-batches (responses). Raises ConfigError naming sizes that divide."""
+    d, ac = cfg.data, cfg.actor
+    _divides("actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, "data.train_batch_size", d.train_batch_size)
+    _divides("number of processes", num_processes, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size)
+    per_process_mini = ac.ppo_mini_batch_size // num_processes * cfg.rollout.n
+    # A micro-batch larger than the process's share of the mini-batch is that share, in one pass: a config
+    # runs unchanged on more processes.
+    _divides("actor.ppo_micro_batch_size", min(ac.ppo_micro_batch_size, per_process_mini),
+             "actor.ppo_mini_batch_size per process x rollout.n", per_process_mini)
 
 
 def warnings_for(cfg) -> list[str]:

@@ -1,4 +1,5 @@
-"""PPO math as small pure functions: masked ops, GAE, loss aggregation, policy/value losses, log-probs.
+"""PPO math as small pure functions: masked ops, token rewards, GAE, loss aggregation, policy/value losses,
+log-probs.
 
 Every tensor argument named `*_mask` is a 0/1 float or bool tensor of shape (B, T) over response tokens;
 masked-out positions never influence a result, even when they hold NaN or inf.
@@ -79,6 +80,35 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum = o
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(valid, whitened, 0.0)
+
+
+def sequence_mean(values: torch.Tensor, response_mask: torch.Tensor, reduce_sum: ReduceSum = one_process) -> float:
+    """Mean over each sequence's valid tokens, then over the sequences of all processes: (B, R) -> float.
+
+    This is how verl reduces the reward KL (`actor/reward_kl_penalty`, and what the adaptive controller
+    sees): every response counts once whatever its length, so the controller's target_kl means the same
+    as in verl. A token mean would weight long responses more."""
+    per_sequence = masked_mean(values.float(), response_mask, dim=-1)  # (B,)
+    total, count = reduce_sum(torch.stack([per_sequence.sum(), per_sequence.new_tensor(len(per_sequence))]))
+    return (total / count.clamp(min=1)).item()
+
+
+# -------------------------------------------------------------------------------------------- Token rewards
+
+
+def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl_per_token: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """(B,) scores and (B, R) mask -> (B, R) rewards: each score on its response's last valid token, and, with
+    `kl_per_token`, -kl_coef * kl on every valid token (Ziegler et al. 2019; verl's apply_kl_penalty).
+
+    Masked-out tokens get 0 whatever kl holds there. A response with no valid token puts its score on
+    position 0, where GAE ignores it."""
+    rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    last = (response_mask.sum(dim=1) - 1).clamp(min=0)
+    rewards[torch.arange(len(scores), device=rewards.device), last] = scores.float()
+    if kl_per_token is not None:
+        rewards = rewards - kl_coef * torch.where(response_mask.bool(), kl_per_token.float(), 0.0)
+    return rewards
 
 
 # ----------------------------------------------------------------------------------------------- Advantages
@@ -448,3 +478,11 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     if var_returns == 0.0:
         return 1.0 if var_residual == 0.0 else 0.0
     return 1.0 - var_residual / var_returns
+
+
+def groups_with_equal_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> float:
+    """Fraction of the prompt groups (of more than one response) whose responses all got the same score:
+    their grpo/rloo advantages are 0, so they carry no learning signal. 0.0 when there is no such group."""
+    groups = [scores[group_ids == g] for g in torch.unique(group_ids)]
+    groups = [g for g in groups if len(g) > 1]
+    return sum(bool((g == g[0]).all()) for g in groups) / len(groups) if groups else 0.0

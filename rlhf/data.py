@@ -187,12 +187,19 @@ def write_jsonl(rows: Iterable[dict], path: str) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def load_held_out(cfg, tokenizer, val_source: str):
-    """The held-out problems of `val_source` (a hub dataset name or a local file; "embedded" resolved already),
-    the first data.max_val_samples of them, as prompt token ids (tokenize_prompts): returns (val_set, how many
-    prompts were dropped as longer than data.max_prompt_length)."""
+def load_prompts(cfg, tokenizer, source: str, split: str, max_rows: int | None = None):
+    """The problems of `source` (a hub dataset name or a local file; "embedded" resolved already), split `split`,
+    the first `max_rows` of them (None: all), as prompt token ids (tokenize_prompts): returns (prompt rows, how
+    many prompts were dropped as longer than data.max_prompt_length). The one path of the training and the
+    held-out split alike: both read the columns data.question_key and data.answer_key and build their prompts
+    with data.instruction and data.system_prompt."""
     d = cfg.data
-    val_set = load_gsm8k(val_source, d.val_split, d.subset, (d.question_key, d.answer_key))
-    if d.max_val_samples:
-        val_set = val_set.select(range(min(d.max_val_samples, len(val_set))))
-    return tokenize_prompts(val_set, tokenizer, d.max_prompt_length, d.instruction, d.system_prompt)
+    dataset = load_gsm8k(source, split, d.subset, (d.question_key, d.answer_key))
+    if max_rows:
+        dataset = dataset.select(range(min(max_rows, len(dataset))))
+    return tokenize_prompts(dataset, tokenizer, d.max_prompt_length, d.instruction, d.system_prompt)
+
+
+def load_held_out(cfg, tokenizer, val_source: str):
+    """The held-out prompt rows of `val_source`: data.val_split, its first data.max_val_samples (load_prompts)."""
+    return load_prompts(cfg, tokenizer, val_source, cfg.data.val_split, cfg.data.max_val_samples)

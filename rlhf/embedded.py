@@ -443,7 +443,7 @@ def classify(response: str, answer: str, method: str = "strict") -> str:
 
 
 def habit_metric(answers: list[str], method: str = "strict"):
-    """The embedded default's `habit_rate` (rlhf.evaluation.ResponseMetric): 1 for a response to held-out row
+    """The embedded default's `habit_rate` (rlhf.held_out.ResponseMetric): 1 for a response to held-out row
     i whose final answer is the first step's result of `answers[i]` and wrong ("first_step"), else 0."""
 
     def habit_rate(completions, indices):

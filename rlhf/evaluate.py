@@ -10,7 +10,7 @@ lab.real_parts) or a hub name. The config gives everything else, as in training:
 (data.val_files: the embedded default, a local GSM8K file, the hub), the prompts and chat template, the reward
 (reward.function and reward.correct_threshold), the response length and sampling settings; `--samples k` is
 trainer.val_samples (pass@k and maj@k from k responses per problem). The evaluation is
-rlhf.evaluation.evaluate's, so the numbers are the ones a training run logs for the same model: greedy
+rlhf.held_out.evaluate's, so the numbers are the ones a training run logs for the same model: greedy
 `val/accuracy`, `val/pass@k`, `val/maj@k` and the task's own metrics (the embedded default's habit rate).
 
 It prints one row per metric: the model, the baseline, and their difference with a 95% interval paired by
@@ -42,7 +42,7 @@ MODEL_CHOICES = ("a directory written by save_pretrained with its tokenizer (a t
 
 @dataclass
 class EvalRun:
-    """What rlhf.evaluation.evaluate reads of a training run (rlhf.setup.Setup), for one model: no optimizer,
+    """What rlhf.held_out.evaluate reads of a training run (rlhf.setup.Setup), for one model: no optimizer,
     critic, reference or sampler."""
 
     tokenizer: object
@@ -223,7 +223,7 @@ def evaluate_models(cfg: Config, models: dict[str, str], config_path: str | None
     from accelerate import Accelerator
 
     from rlhf.embedded import embedded_cache_dir, embedded_options
-    from rlhf.evaluation import evaluate_per_problem
+    from rlhf.held_out import evaluate_per_problem
 
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ConfigError("python -m rlhf.evaluate runs in one process; start it with python, not with several "

@@ -10,8 +10,8 @@ evaluation, and stopping the decoding together under sharded weights (FSDP).
     optimizer_steps                    one decision for all processes: step, or skip a non-finite update
     launch_warnings                    why `accelerate launch` asked for several processes started one
 
-Functions that need statistics of the whole global batch (here, in rlhf.ppo and in rlhf.core_algos) take
-`reduce_sum`, a function that sums a tensor over processes (`sum_over_processes(accelerator)` in train.py);
+Functions that need statistics of the whole global batch (here, in rlhf.step and in rlhf.core_algos) take
+`reduce_sum`, a function that sums a tensor over processes (`sum_over_processes(accelerator)` in rlhf/step.py);
 the default, `one_process`, is the identity. So the function the tests check is the function the trainer
 calls, whatever the world size (the tests run N processes as N threads).
 """

@@ -1,20 +1,14 @@
-"""Sampling responses and the forward passes of one PPO step.
+"""Sampling responses: `generate`, our KV-cache decoding loop, and the `Sequences` it returns.
 
-A rollout batch is a dict of tensors:
-    prompt_ids, prompt_mask        (B, P)   left-padded prompts
-    response_ids, response_mask    (B, R)   right-padded responses; the mask covers tokens up to and
-                                            including the first EOS
-    input_ids, attention_mask,     (B, P+R) the two concatenated, with position ids counted over real
-    position_ids                            tokens only, exactly as `generate` counts them
-The per-token tensors computed later (old_logprobs, ref_logprobs, values, advantages, ...) are (B, R):
-entry t belongs to response token t, predicted from the state prompt + response[:t].
+The per-token tensors a step computes about the responses (log-probs, values, advantages, ...) are (B, R):
+entry t belongs to response token t, predicted from the state prompt + response[:t] (rlhf/step.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -33,6 +27,38 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
             ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
             mask[i, width - len(seq):] = 1
     return ids, mask
+
+
+def repeat_prompts(rows: dict[str, list], n: int) -> tuple[dict[str, list], torch.Tensor]:
+    """Each prompt row n times in a row (its group of responses), and each copy's group id (B * n,): the index
+    of its prompt in `rows`."""
+    repeated = {key: [value for value in values for _ in range(n)] for key, values in rows.items()}
+    return repeated, torch.arange(len(next(iter(rows.values())))).repeat_interleave(n)
+
+
+@dataclass
+class Sequences:
+    """Prompts and their responses, as `generate` returns them (B rows):"""
+
+    prompt_ids: torch.Tensor  # (B, P) left-padded prompts
+    prompt_mask: torch.Tensor  # (B, P)
+    response_ids: torch.Tensor  # (B, R) right-padded responses
+    response_mask: torch.Tensor  # (B, R) 1 up to and including the first stop token
+    input_ids: torch.Tensor  # (B, P+R) the two concatenated
+    attention_mask: torch.Tensor  # (B, P+R)
+    position_ids: torch.Tensor  # (B, P+R) counted over real tokens only, exactly as `generate` counts them
+    logprobs: torch.Tensor | None = None  # (B, R) float32 log-probs of the sampled tokens, when kept; 0 after
+
+    @classmethod
+    def build(cls, prompt_ids, prompt_mask, response_ids, response_mask, logprobs=None) -> Sequences:
+        """The record from left-padded prompts and right-padded responses."""
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        return cls(prompt_ids, prompt_mask, response_ids, response_mask, torch.cat([prompt_ids, response_ids], dim=1),
+                   attention_mask, position_ids_from_mask(attention_mask), logprobs)
+
+    def rows(self, index) -> Sequences:
+        """The rows `index` of every tensor (a micro-batch)."""
+        return Sequences(*(None if (v := getattr(self, f.name)) is None else v[index] for f in fields(self)))
 
 
 @dataclass(frozen=True)
@@ -94,10 +120,10 @@ def is_stop_token(ids: torch.Tensor, stop_ids: int | tuple[int, ...]) -> torch.T
     return torch.isin(ids, torch.tensor(stop_ids, dtype=ids.dtype, device=ids.device))
 
 
-def cut_responses(batch: dict[str, torch.Tensor], stop_ids: int | tuple[int, ...]) -> torch.Tensor:
+def cut_responses(seq: Sequences, stop_ids: int | tuple[int, ...]) -> torch.Tensor:
     """(B,) bool: which responses were cut at the length limit: all their R tokens, the last not a stop token."""
-    mask = batch["response_mask"]
-    return (mask.sum(dim=1) == mask.shape[1]) & ~is_stop_token(batch["response_ids"][:, -1], stop_ids)
+    mask = seq.response_mask
+    return (mask.sum(dim=1) == mask.shape[1]) & ~is_stop_token(seq.response_ids[:, -1], stop_ids)
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | tuple[int, ...]) -> torch.Tensor:
@@ -110,8 +136,8 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | tupl
 
 def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
              params: SamplingParams, all_finished=None, generator: torch.Generator | None = None,
-             return_logprobs: bool = False) -> dict[str, torch.Tensor]:
-    """Sample (or greedily decode) one response per left-padded prompt and build the rollout batch.
+             return_logprobs: bool = False) -> Sequences:
+    """Sample (or greedily decode) one response per left-padded prompt: the prompts and responses as `Sequences`.
 
     A plain decoding loop over the model's KV cache, the same passes as `model.generate` (greedy output is
     identical, see tests/test_rollout.py) without its per-token machinery, which costs ~10% of the
@@ -120,9 +146,9 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     max_new_tokens;
     `all_finished((B,) bool finished) -> bool` may widen "every sequence" to other processes' too;
     `generator` is the sampling noise's source (`paired_noise_generator`), the global random state if None.
-    `return_logprobs` adds `rollout_logprobs` (B, R) float32, 0 after the response: each sampled token's
+    `return_logprobs` keeps `Sequences.logprobs`, (B, R) float32, 0 after the response: each sampled token's
     log-prob under softmax(logits / temperature) of the logits it was sampled from, before any top-k/top-p
-    filter, so the same quantity the trainer's forward pass computes (`logprobs_and_logits`).
+    filter, so the same quantity the trainer's forward pass computes (rlhf.step.logprobs_and_logits).
     """
     eos = None if params.ignore_eos else stop_token_ids(model, tokenizer)
     # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here).
@@ -141,10 +167,8 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     else:
         response_mask = response_mask_from_ids(response_ids, eos)
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
-    batch = build_batch(prompt_ids, prompt_mask, response_ids, response_mask)
-    if return_logprobs:
-        batch["rollout_logprobs"] = torch.where(response_mask.bool(), logprobs.clone(), 0.0)
-    return batch
+    kept = torch.where(response_mask.bool(), logprobs.clone(), 0.0) if return_logprobs else None
+    return Sequences.build(prompt_ids, prompt_mask, response_ids, response_mask, kept)
 
 
 def kv_cache_name(model) -> str:
@@ -191,45 +215,3 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) positions counted over real tokens only, so left padding does not shift them: what
     transformers' `generate` uses, and what a sequence without padding would get. Padding gets 0."""
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
-def build_batch(prompt_ids, prompt_mask, response_ids, response_mask) -> dict[str, torch.Tensor]:
-    """The rollout batch (this module's docstring) from left-padded prompts and right-padded responses."""
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "response_ids": response_ids,
-        "response_mask": response_mask,
-        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": position_ids_from_mask(attention_mask),
-    }
-
-
-def response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, R, V) logits predicting each response token (only the last R+1 positions are computed)."""
-    num_response = batch["response_ids"].shape[1]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], logits_to_keep=num_response + 1, use_cache=False)
-    return out.logits[:, :-1]
-
-
-def response_values(critic, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, R) float32 values V(prompt + response[:t]) from a one-label token-classification critic."""
-    num_response = batch["response_ids"].shape[1]
-    out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                 position_ids=batch["position_ids"], use_cache=False)
-    return out.logits[:, -num_response - 1:-1, 0].float()
-
-
-def logprobs_and_logits(model, batch, temperature: float):
-    """Log-probs (B, R) of the sampled tokens at the sampling temperature, in float32, and the logits
-    (B, R, V) they came from (for the exact KL and the entropy)."""
-    logits = response_logits(model, batch)
-    return logprobs_from_logits(logits, batch["response_ids"], temperature), logits
-
-
-def slice_batch(batch: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
-    """The rows `index` of every tensor in the batch (a micro- or mini-batch)."""
-    return {k: v[index] for k, v in batch.items()}

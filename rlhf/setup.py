@@ -1,5 +1,5 @@
-"""Building a run: data and models through the hub code path, optimizers and their lr schedules, sampler, KL
-controller, reward.
+"""Building a run: data and models through the hub code path, optimizers and their lr schedules, the prompt
+order, KL controller, reward.
 
     run = setup(cfg, accelerator)       # what train.py's main() uses
     run = build_setup(cfg, accelerator, tokenizer, train_set, val_set, *load_models(cfg, model_path))
@@ -20,7 +20,7 @@ from rlhf import core_algos, kl
 from rlhf.config import Config
 from rlhf.models import load_causal_lm, load_critic
 from rlhf.rewards import RewardFn, load_reward
-from rlhf.sampler import PromptSampler
+from rlhf.prompt_order import PromptOrder
 from rlhf.tasks import get_task
 
 
@@ -33,7 +33,7 @@ class Setup:
     val_set: object
     models: tuple  # (actor, critic, ref); critic None for grpo/rloo, ref None without a KL or the KL panel
     optimizers: tuple  # (actor_opt, critic_opt), critic_opt None without a critic
-    sampler: PromptSampler
+    prompt_order: PromptOrder  # which prompts each step draws
     kl_ctrl: kl.FixedKLController | kl.AdaptiveKLController
     reward: RewardFn  # reward.function, which scores the responses (rlhf/rewards)
     lr_schedulers: tuple  # (actor's, critic's) LambdaLR, stepped once per PPO step; the critic's None without a critic
@@ -41,7 +41,7 @@ class Setup:
 
 
 def setup(cfg: Config, accelerator: Accelerator) -> Setup:
-    """The task's data and models (prepare_data_and_models), optimizers, sampler, KL controller and reward."""
+    """The task's data and models (prepare_data_and_models), optimizers, prompt order, KL controller and reward."""
     tokenizer, train_set, val_set, actor, critic, ref = prepare_data_and_models(cfg, accelerator)
     accelerator.print(f"train prompts: {len(train_set)}, held-out: {len(val_set)}, "
                       f"actor parameters: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M, "
@@ -61,8 +61,8 @@ def prepare_data_and_models(cfg: Config, accelerator: Accelerator):
 
 
 def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val_set, actor, critic, ref) -> Setup:
-    """Everything after loading: seed, optimizers, accelerate's wrapping, lr schedules, sampler, KL controller,
-    reward."""
+    """Everything after loading: seed, optimizers, accelerate's wrapping, lr schedules, prompt order, KL
+    controller, reward."""
     # Seeded after the models load: building the embedded cache (or not, when it exists) draws random
     # numbers, and the run must not depend on whether it did. Seed + process index: ranks sample differently.
     set_seed(cfg.trainer.seed, device_specific=True)
@@ -75,7 +75,7 @@ def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val
     # Under mixed precision, prepare() makes each forward pass autocast *and* convert its outputs to float32:
     # a float32 copy of the (B, T, V) logits (2.5 GB for the GPU recipe's micro-batch, 8 x 513 x 151,936),
     # which the chunked log-prob, entropy and KL functions exist to avoid. unwrap_model(keep_fp32_wrapper=False)
-    # takes that wrapper off the model (in place, inside any DDP or FSDP wrapper); train.py runs its forward
+    # takes that wrapper off the model (in place, inside any DDP or FSDP wrapper); rlhf/step.py runs its forward
     # passes in accelerator.autocast() instead (tests/test_train.py checks no such copy is made).
     for model in (m for m in (actor, critic) if m is not None):
         accelerator.unwrap_model(model, keep_fp32_wrapper=False)
@@ -83,7 +83,7 @@ def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val
         ref = ref.to(accelerator.device)
     kc = cfg.algorithm.kl_ctrl
     return Setup(tokenizer, train_set, val_set, (actor, critic, ref), (actor_opt, critic_opt),
-                 PromptSampler(len(train_set), cfg.data.train_batch_size, cfg.trainer.seed),
+                 PromptOrder(len(train_set), cfg.data.train_batch_size, cfg.trainer.seed),
                  kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), load_reward(cfg, get_task(cfg.task.name).prompt_fields),
                  build_lr_schedulers(cfg, actor_opt, critic_opt))
 
@@ -173,10 +173,10 @@ def lr_factor(step: int, total_steps: int, scheduler_type: str, warmup_steps: in
 
 def build_lr_schedulers(cfg: Config, actor_opt, critic_opt):
     """(actor's, critic's) torch LambdaLR over lr_factor (the critic's None without a critic), on the optimizers
-    accelerate prepared. Each is stepped once per PPO step by train.py and registered for checkpointing by its
-    main(), so that save_state/load_state restore it. Not accelerate.prepare: its AcceleratedScheduler steps
-    once per optimizer step, and as many times as there are processes (it assumes per-process batches), where
-    the schedule here counts PPO steps, as verl's does."""
+    accelerate prepared. Each is stepped once per PPO step (rlhf.step.train_step) and registered for
+    checkpointing by train.py's main(), so that save_state/load_state restore it. Not accelerate.prepare: its
+    AcceleratedScheduler steps once per optimizer step, and as many times as there are processes (it assumes
+    per-process batches), where the schedule here counts PPO steps, as verl's does."""
     total = cfg.trainer.total_steps
 
     def schedule(opt, learner):

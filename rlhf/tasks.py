@@ -88,7 +88,7 @@ class GSM8KTask(Task):
                     raise ConfigError(f"config key {key!r}: {e}") from None
 
     def load(self, cfg, accelerator) -> TaskData:
-        from rlhf.data import load_gsm8k, load_held_out, tokenize_prompts
+        from rlhf.data import load_held_out, load_prompts
         from rlhf.models import load_tokenizer
 
         model_path, train_source, val_source = cfg.model.path, cfg.data.train_files, cfg.data.val_files
@@ -100,10 +100,7 @@ class GSM8KTask(Task):
             train_source = artifacts.train_file if train_source == "embedded" else train_source
             val_source = artifacts.val_file if val_source == "embedded" else val_source
         tokenizer = load_tokenizer(model_path)
-        d = cfg.data
-        train_set = load_gsm8k(train_source, d.train_split, d.subset, (d.question_key, d.answer_key))
-        train_set, dropped_train = tokenize_prompts(train_set, tokenizer, d.max_prompt_length, d.instruction,
-                                                    d.system_prompt)
+        train_set, dropped_train = load_prompts(cfg, tokenizer, train_source, cfg.data.train_split)
         val_set, dropped_val = load_held_out(cfg, tokenizer, val_source)
         if dropped_train or dropped_val:
             accelerator.print(f"filtered prompts longer than data.max_prompt_length={cfg.data.max_prompt_length}: "

@@ -26,7 +26,7 @@ import torch
 
 import rlhf.setup
 import train
-from rlhf.config import ConfigError, load_config, validate
+from rlhf.config import ConfigError, check_batch_sizes, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOOD_ANSWER = "2 + 3 = <<2+3=5>>5\n#### 5"
@@ -163,7 +163,7 @@ def test_batch_not_divisible_by_processes_is_refused():
     cfg = load_config(None, ["data.train_batch_size=6", "actor.ppo_mini_batch_size=3",
                              "actor.ppo_micro_batch_size=1"])
     with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size=3 is not divisible by number of processes=2"):
-        validate(cfg, num_processes=2)
+        check_batch_sizes(cfg, num_processes=2)
 
 
 def test_the_embedded_default_fits_several_processes_as_it_is():
@@ -171,10 +171,10 @@ def test_the_embedded_default_fits_several_processes_as_it_is():
     process's share of the mini-batch is that share (32 responses per micro-batch, 16 per process on 2)."""
     cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), [])
     for num_processes in (1, 2, 4):
-        validate(cfg, num_processes=num_processes)
+        check_batch_sizes(cfg, num_processes=num_processes)
     cfg.actor.ppo_micro_batch_size = 12  # a smaller micro-batch must still divide the share
     with pytest.raises(ConfigError, match=r"divisors of 16"):
-        validate(cfg, num_processes=2)
+        check_batch_sizes(cfg, num_processes=2)
 
 
 def test_world_size_without_distributed_setup_is_refused(tmp_path, monkeypatch, capsys):

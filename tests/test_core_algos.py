@@ -18,6 +18,7 @@ from rlhf.core_algos import (
     entropy_from_logits,
     explained_variance,
     group_outcome_advantages,
+    groups_with_equal_scores,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
@@ -25,6 +26,8 @@ from rlhf.core_algos import (
     masked_whiten,
     needs_critic,
     policy_loss,
+    sequence_mean,
+    token_rewards,
     value_loss,
 )
 from rlhf.processes import one_process
@@ -462,3 +465,39 @@ def test_advantage_estimators_are_a_registry_with_clear_errors():
     assert needs_critic("gae") and not needs_critic("grpo") and not needs_critic("rloo")
     with pytest.raises(ValueError, match="unknown advantage estimator 'reinforce'; valid estimators: gae, grpo, rloo"):
         check_adv_estimator("reinforce")
+
+
+# --- token rewards, the reward KL's mean, groups without signal ------------------------------------------
+
+MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_token_rewards_put_the_score_last_and_the_kl_penalty_on_every_valid_token():
+    scores = torch.tensor([1.0, 0.0, 0.5])
+    kl_values = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.4, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]], requires_grad=True)
+    rewards = token_rewards(scores, MASK, kl_values, kl_coef=0.5)
+    expected = torch.tensor([[-0.05, -0.1, 1.0 - 0.15, 0.0],
+                             [-0.2, 0.0, 0.0, 0.0],
+                             [0.5, 0.0, 0.0, 0.0]])  # an empty response: score at 0, where GAE ignores it
+    torch.testing.assert_close(rewards, expected)
+    rewards.sum().backward()  # d reward / d kl: -coef on valid tokens, exactly 0 elsewhere
+    assert torch.equal(kl_values.grad, -0.5 * MASK.float())
+    torch.testing.assert_close(token_rewards(scores, MASK),  # no KL in the reward: the scores alone
+                               torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0] * 4, [0.5, 0.0, 0.0, 0.0]]))
+
+
+def test_sequence_mean_weights_every_response_once_over_all_processes():
+    values = torch.tensor([[1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    assert sequence_mean(values, mask) == pytest.approx(2.0)  # (1 + 3) / 2; the token mean is 7 / 5
+    assert masked_mean(values, mask).item() == pytest.approx(1.4)
+    # Two processes holding one sequence each give the one-process answer.
+    shards = [(values[:1], mask[:1]), (values[1:], mask[1:])]
+    assert in_processes(lambda s, reduce_sum: sequence_mean(*s, reduce_sum), shards) == pytest.approx([2.0, 2.0])
+
+
+def test_groups_with_equal_scores_counts_groups_without_signal():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5])
+    group_ids = torch.tensor([0, 0, 1, 1, 2, 2, 3])  # equal, mixed, equal, alone (not a group)
+    assert groups_with_equal_scores(scores, group_ids) == pytest.approx(2 / 3)
+    assert groups_with_equal_scores(scores[-1:], group_ids[-1:]) == 0.0

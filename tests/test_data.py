@@ -188,3 +188,45 @@ def test_columns_of_your_own(tmp_path):
         load_config(None, [*base, "data.question_key=problem"])
     assert "missing column(s) ['answer']" in str(e.value) and "['problem', 'solution']" in str(e.value)
     assert "data.answer_key" in str(e.value)
+
+
+def loaded_task(artifacts, tmp_path, *overrides):
+    """Task gsm8k's data, loaded as a run loads it, from copies of the tiny embedded files whose question and
+    answer columns are called `problem` and `solution`; returns (the task's data, the copies' rows)."""
+    from accelerate import Accelerator
+
+    from rlhf.config import load_config
+    from rlhf.tasks import get_task
+
+    files, rows = {}, {}
+    for split, source in (("train", artifacts.train_file), ("val", artifacts.val_file)):
+        rows[split] = [json.loads(line) for line in open(source)][:12]
+        files[split] = str(tmp_path / f"{split}.jsonl")
+        write_jsonl([{"solution": r["answer"], "problem": r["question"]} for r in rows[split]], files[split])
+    cfg = load_config(None, ["task.name=gsm8k", f"model.path={artifacts.model_dir}", f"data.train_files={files['train']}",
+                             f"data.val_files={files['val']}", "data.question_key=problem",
+                             "data.answer_key=solution", *overrides])
+    return get_task("gsm8k").load(cfg, Accelerator(cpu=True)), rows
+
+
+def test_both_splits_read_the_columns_the_config_names(artifacts, tmp_path):
+    """data.question_key and data.answer_key hold for the training split as for the held-out one: each row's
+    prompt is its own question's, its ground truth its own answer's."""
+    loaded, rows = loaded_task(artifacts, tmp_path)
+    for split, prompt_rows in (("train", loaded.train_set), ("val", loaded.val_set)):
+        expected = [loaded.tokenizer(build_prompt(loaded.tokenizer, r["question"]), add_special_tokens=False)["input_ids"]
+                    for r in rows[split]]
+        assert prompt_rows["input_ids"] == expected, split
+        assert prompt_rows["ground_truth"] == [r["answer"].rpartition("#### ")[2] for r in rows[split]], split
+
+
+def test_training_and_held_out_prompts_carry_the_same_system_prompt(artifacts, tmp_path):
+    """data.system_prompt and data.instruction reach the training prompts as they reach the held-out ones, so
+    that the policy is trained on the prompts it is evaluated on."""
+    system, instruction = "Answer with one line of arithmetic per step.", "Be brief."
+    loaded, rows = loaded_task(artifacts, tmp_path, f"data.system_prompt={system}", f"data.instruction={instruction}")
+    tokenizer = loaded.tokenizer
+    for split, prompt_rows in (("train", loaded.train_set), ("val", loaded.val_set)):
+        texts = tokenizer.batch_decode(list(prompt_rows["input_ids"]))
+        assert texts == [build_prompt(tokenizer, r["question"], instruction, system) for r in rows[split]], split
+        assert all(text.startswith(f"<|im_start|>system\n{system}<|im_end|>") for text in texts), split

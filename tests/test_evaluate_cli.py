@@ -15,12 +15,12 @@ from accelerate import Accelerator
 from helpers import REPO, TINY_EMBEDDED, embedded_overrides, tiny_qwen2
 
 from rlhf import evaluate as cli
-from rlhf import evaluation
+from rlhf import held_out
 from rlhf.stats import t95
 from rlhf.config import ConfigError, load_config
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.processes import eval_batches
-from rlhf.rewards import load_reward, score_responses
+from rlhf.rewards import load_reward, score_batch
 from rlhf.rollout import SamplingParams, generate, left_pad
 from rlhf.setup import setup
 
@@ -81,7 +81,7 @@ def test_the_commands_metrics_are_the_trainers_evaluation_of_the_same_model(arti
     report = cli.main(["--model", models["model"], "--samples", "4", *argv])
 
     cfg = load_config(None, [*argv, f"model.path={models['model']}", "trainer.val_samples=4"])
-    expected = evaluation.evaluate(cfg, Accelerator(), setup(cfg, Accelerator()), step=0)
+    expected = held_out.evaluate(cfg, Accelerator(), setup(cfg, Accelerator()), step=0)
     assert set(expected) == {"val/accuracy", "val/greedy_habit_rate", "val/pass@1", "val/pass@2", "val/pass@4",
                              "val/maj@4", "val/habit_rate", *ANSWER_FORMAT}
     assert report["metrics"]["model"] == expected  # exactly: the same code
@@ -115,7 +115,7 @@ def greedy_correct(model_dir, cfg):
         with torch.no_grad():
             batch = generate(model, tokenizer, *left_pad(rows["input_ids"], tokenizer.pad_token_id),
                              SamplingParams(cfg.data.max_response_length, greedy=True))
-        correct += [float(c) for c in reward.is_correct(score_responses(reward, tokenizer, batch, rows).tolist())]
+        correct += [float(c) for c in reward.is_correct(score_batch(reward, tokenizer, batch, rows).scores.tolist())]
     return correct
 
 

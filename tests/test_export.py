@@ -119,15 +119,15 @@ def assert_same_greedy(model, run, ids, mask, max_new: int = 24) -> torch.Tensor
                             rollout.SamplingParams(max_new_tokens=max_new, greedy=True))
     theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new)
     theirs = theirs[:, ids.shape[1]:]
-    width = max(theirs.shape[1], ours["response_ids"].shape[1])
+    width = max(theirs.shape[1], ours.response_ids.shape[1])
     pad = run.tokenizer.pad_token_id
 
     def padded(x):
         return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=pad)
 
-    assert torch.equal(padded(theirs), padded(ours["response_ids"]))
+    assert torch.equal(padded(theirs), padded(ours.response_ids))
     stop_ids = rollout.stop_token_ids(run.models[0], run.tokenizer)
-    return rollout.is_stop_token(ours["response_ids"], stop_ids).any(dim=1)
+    return rollout.is_stop_token(ours.response_ids, stop_ids).any(dim=1)
 
 
 def test_greedy_generation_of_the_reloaded_model_matches_the_trainers_sampler(trained):

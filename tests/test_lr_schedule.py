@@ -11,6 +11,7 @@ from helpers import NOT_COMPARED, assert_same_rows, tiny_overrides
 from safetensors.torch import load_file
 
 import rlhf.setup
+import rlhf.step
 import train
 from rlhf.config import ConfigError, load_config, warnings_for
 from rlhf.setup import build_lr_schedulers, lr_factor
@@ -68,13 +69,13 @@ def test_the_schedulers_step_the_optimizers_lr_through_the_closed_form():
 def test_each_step_logs_the_lr_its_updates_used(artifacts, tmp_path, monkeypatch):
     """actor cosine with warmup, critic linear with a floor, 4 steps: actor/lr and critic/lr follow the closed
     form and are what the optimizers held during that step's updates. Without a critic, no critic/lr."""
-    used, original = [], train.ppo_update
+    used, original = [], rlhf.step.ppo_epochs
 
-    def spy(cfg, accelerator, models, optimizers, *args):
+    def spy(cfg, plan, accelerator, models, optimizers, *args):
         used.append([opt.param_groups[0]["lr"] for opt in optimizers if opt is not None])
-        return original(cfg, accelerator, models, optimizers, *args)
+        return original(cfg, plan, accelerator, models, optimizers, *args)
 
-    monkeypatch.setattr(train, "ppo_update", spy)
+    monkeypatch.setattr(rlhf.step, "ppo_epochs", spy)
     rows = run(artifacts, tmp_path / "gae", "trainer.total_steps=4", "actor.lr_scheduler_type=cosine",
                "actor.lr_warmup_steps=1", "actor.min_lr_ratio=0.1", "critic.lr_scheduler_type=linear",
                "critic.min_lr_ratio=0.5")

@@ -9,7 +9,8 @@ import torch
 from rlhf.embedded import EmbeddedConfig
 from rlhf.embedded import build_model, generate_problems, train_tokenizer
 from rlhf.models import load_causal_lm, load_critic, load_tokenizer, resolve_dtype
-from rlhf.rollout import build_batch, left_pad, response_values
+from rlhf.rollout import Sequences, left_pad
+from rlhf.step import response_values
 
 CFG = EmbeddedConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
 
@@ -36,7 +37,7 @@ def _rollout_batch(tokenizer, prompts, responses):
     response_mask = torch.zeros((len(encoded), width), dtype=torch.long)
     for i, r in enumerate(encoded):
         response_ids[i, :len(r)], response_mask[i, :len(r)] = torch.tensor(r), 1
-    return build_batch(prompt_ids, prompt_mask, response_ids, response_mask)
+    return Sequences.build(prompt_ids, prompt_mask, response_ids, response_mask)
 
 
 def test_critic_shares_the_backbone_and_starts_at_zero(model_dir):
@@ -46,7 +47,7 @@ def test_critic_shares_the_backbone_and_starts_at_zero(model_dir):
         assert torch.equal(param, critic.model.get_parameter(name)), name
     batch = _rollout_batch(tokenizer, ["Tom has 3 apples.", "Anna has 12 books. She sells 4."], [" 3", " 8 #### 8"])
     values = response_values(critic, batch)
-    assert values.shape == batch["response_ids"].shape and values.dtype == torch.float32
+    assert values.shape == batch.response_ids.shape and values.dtype == torch.float32
     assert torch.count_nonzero(values) == 0
 
 
@@ -93,7 +94,7 @@ def test_response_values_are_the_critic_at_each_response_state_without_dropout_o
     values = response_values(critic, batch)
     assert torch.equal(values, response_values(critic, batch))  # no dropout noise
     critic.eval()
-    assert int((batch["prompt_mask"][0] == 0).sum()) > 0  # the short prompt is padded
+    assert int((batch.prompt_mask[0] == 0).sum()) > 0  # the short prompt is padded
     prompt, answer = tokenizer.encode(short), tokenizer.encode(response)
     alone = critic(input_ids=torch.tensor([prompt + answer])).logits[0, :, 0]  # (P + R,) one unpadded sequence
     expected = alone[len(prompt) - 1:len(prompt) - 1 + len(answer)]  # the state before each response token
@@ -138,8 +139,8 @@ def test_gradient_checkpointing_recomputes_the_layers_in_eval_mode_and_changes_n
             return mlp_forward(*args, **kwargs)
 
         mlp.forward = counted
-        out = actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"], use_cache=False)
+        out = actor(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    position_ids=batch.position_ids, use_cache=False)
         out.logits.float().logsumexp(-1).mean().backward()
         calls[checkpointing] = len(count)
         gradients[checkpointing] = torch.cat([p.grad.flatten() for p in actor.parameters() if p.grad is not None])

@@ -39,7 +39,7 @@ import torch
 from helpers import REPO, tiny_overrides
 
 import train
-from rlhf import rollout
+from rlhf import rollout, step
 from rlhf.config import load_config
 from rlhf.rewards.gsm8k import extract_ground_truth
 from rlhf.tracking import read_metrics
@@ -57,15 +57,16 @@ HARNESS = '''
 import json, os, sys
 sys.path.insert(0, os.environ["REPO"])
 import train
+import rlhf.step
 
 if os.environ.get("RESPONSES_DIR"):  # each rank's sampled response ids, one line per step
-    real_rollout = train.rollout
+    real_rollout = rlhf.step.rollout
     def rollout(*args, **kwargs):
         batch = real_rollout(*args, **kwargs)
         with open(os.path.join(os.environ["RESPONSES_DIR"], "responses_rank%s.jsonl" % os.environ["RANK"]), "a") as f:
-            f.write(json.dumps(batch["response_ids"].tolist()) + "\\n")
+            f.write(json.dumps(batch.seq.response_ids.tolist()) + "\\n")
         return batch
-    train.rollout = rollout
+    rlhf.step.rollout = rollout
 changes = []
 def record(event, args):  # Python-level writes (torch.save's C++ writer is not seen)
     if event == "open" and isinstance(args[0], (str, os.PathLike)) and (
@@ -135,7 +136,7 @@ def record_greedy_margins(monkeypatch) -> list[float]:
     """For every response token the run decodes (top_k=1 and greedy alike keep the largest logit), the gap
     between the two largest logits, recorded into the list returned."""
     gaps, steps = [], []
-    real_next_token, real_generate = rollout.next_token, train.generate
+    real_next_token, real_generate = rollout.next_token, step.generate
 
     def next_token(logits, params, generator=None):
         top = logits.float().topk(2, dim=-1).values
@@ -144,13 +145,13 @@ def record_greedy_margins(monkeypatch) -> list[float]:
 
     def generate(*args, **kwargs):
         steps.clear()
-        batch = real_generate(*args, **kwargs)
-        mask = batch["response_mask"].bool()  # (B, decoded steps): tokens after a response's end do not count
-        gaps.extend(gap for t, step in enumerate(steps) for gap in step[mask[:, t]].tolist())
-        return batch
+        seq = real_generate(*args, **kwargs)
+        mask = seq.response_mask.bool()  # (B, decoded steps): tokens after a response's end do not count
+        gaps.extend(gap for t, decoded in enumerate(steps) for gap in decoded[mask[:, t]].tolist())
+        return seq
 
     monkeypatch.setattr(rollout, "next_token", next_token)
-    monkeypatch.setattr(train, "generate", generate)
+    monkeypatch.setattr(step, "generate", generate)
     return gaps
 
 

@@ -49,7 +49,7 @@ def test_stop_together_decodes_until_every_process_has_stopped():
     def decode(shard, all_finished):
         forwards, mine = [], copy.deepcopy(model)  # one model per process, each counting its forward passes
         mine.register_forward_hook(lambda *args: forwards.append(1))
-        return generate(mine, tokenizer, *shard, params, all_finished=all_finished)["response_ids"], len(forwards)
+        return generate(mine, tokenizer, *shard, params, all_finished=all_finished).response_ids, len(forwards)
 
     alone = [decode(shard, None) for shard in shards]
     together = in_processes(lambda shard, reduce_sum: decode(shard, stop_together(reduce_sum)), shards)

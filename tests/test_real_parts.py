@@ -23,8 +23,8 @@ from lab import real_parts
 from rlhf.config import load_config
 from rlhf.data import build_prompt, load_gsm8k, tokenize_prompts, write_jsonl
 from rlhf.models import load_tokenizer
-from rlhf.rewards import load_reward, score_responses
-from rlhf.rollout import response_mask_from_ids
+from rlhf.rewards import load_reward, score_batch
+from rlhf.rollout import Sequences, response_mask_from_ids
 
 # GSM8K's first training problem (openai/gsm8k, main, train row 0).
 NATALIA_QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
@@ -157,9 +157,10 @@ def test_decode_then_score_round_trip(qwen):
     response_ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
     mask = response_mask_from_ids(response_ids, eos)
     assert mask.sum(dim=1).tolist() == [len(row) for row in rows]  # up to and including EOS
-    batch = {"response_ids": response_ids, "response_mask": mask}
+    prompts = torch.zeros(len(responses), 1, dtype=torch.long)
+    batch = Sequences.build(prompts, torch.ones_like(prompts), response_ids, mask)
     rows = {"input_ids": [[0]] * len(responses), "ground_truth": ground_truths}
-    scores = score_responses(load_reward(load_config()), qwen, batch, rows)
+    scores = score_batch(load_reward(load_config()), qwen, batch, rows).scores
     assert scores.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
     assert qwen.batch_decode(response_ids, skip_special_tokens=True)[0] == NATALIA_ANSWER
 

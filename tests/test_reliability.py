@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from helpers import REPO, assert_same_rows, tiny_overrides, tiny_qwen2
 
 import rlhf.setup
+import rlhf.step
 import train
 from rlhf import core_algos
 from rlhf.checkpoint import latest_checkpoint, list_checkpoints, tied_weights_stored_once
@@ -144,7 +145,7 @@ def test_ctrl_c_saves_a_checkpoint_and_stops(artifacts, tmp_path, monkeypatch, c
 
     def interrupted_step(*args, **kwargs):
         out = original(*args, **kwargs)
-        if args[3] == 2:  # the step number: train_step(cfg, accelerator, run, step, ...)
+        if args[4] == 2:  # the step number: train_step(cfg, plan, accelerator, run, step, ...)
             os.kill(os.getpid(), signal.SIGINT)
         return out
 
@@ -207,7 +208,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_pa
     the last one written: no checkpoint is written during a run of bad steps. Either a non-finite loss value
     or a non-finite gradient norm skips the update."""
     seen = {}
-    original_prepare, original_update, original_loss = (rlhf.setup.prepare_data_and_models, train.ppo_update,
+    original_prepare, original_update, original_loss = (rlhf.setup.prepare_data_and_models, rlhf.step.ppo_epochs,
                                                          core_algos.policy_loss)
 
     def spy(cfg, accelerator):
@@ -225,7 +226,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_pa
             return original_update(*args, **kwargs)
 
     monkeypatch.setattr(rlhf.setup, "prepare_data_and_models", spy)
-    monkeypatch.setattr(train, "ppo_update", update)
+    monkeypatch.setattr(rlhf.step, "ppo_epochs", update)
     out = str(tmp_path / "run")
     with pytest.raises(train.BadStepsError) as err:
         run(artifacts, out, "trainer.total_steps=8", "trainer.max_bad_steps=2", "trainer.max_ckpt_to_keep=10")
@@ -330,3 +331,14 @@ def test_only_the_tied_embedding_warning_is_silenced(caplog):
     with caplog.at_level(logging.WARNING):  # outside the block accelerate's warning is back
         clean_state_dict_for_safetensors(model.state_dict())
     assert "Removed shared tensor {'lm_head.weight'}" in caplog.text
+
+
+def test_a_trainer_state_saved_under_the_earlier_name_of_the_prompt_order_loads():
+    """Checkpoints written before the prompt order had its own name hold it under "sampler"."""
+    from rlhf.checkpoint import TrainerState
+
+    state = TrainerState()
+    state.load_state_dict({"step": 3, "sampler": {"epoch": 1, "position": 8}, "kl_ctrl": {"value": 0.1},
+                           "bad_steps": 0, "wandb_run_id": None})
+    assert state.prompt_order == {"epoch": 1, "position": 8} and "sampler" not in vars(state)
+    assert TrainerState(**state.state_dict()) == state

@@ -22,7 +22,7 @@ from rlhf.config import ConfigError, load_config, warnings_for
 from rlhf.models import load_tokenizer
 from rlhf.rewards import RewardError, load_reward, score
 from rlhf.rewards.gsm8k import compute_score
-from rlhf.rollout import build_batch
+from rlhf.rollout import Sequences
 from rlhf.tracking import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,8 +92,8 @@ def read_metrics_of(cfg):
     return read_metrics(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))
 
 
-def test_score_responses_decodes_the_batch_as_the_reward_sees_it(artifacts):
-    """rewards.score_responses on a batch made by hand: responses padded after their stop token are given to the
+def test_score_batch_decodes_the_batch_as_the_reward_sees_it(artifacts):
+    """rewards.score_batch on a batch made by hand: responses padded after their stop token are given to the
     function without the padding, the stop token kept; a response cut at the length limit keeps all its tokens."""
     tokenizer = load_tokenizer(artifacts.model_dir)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -108,10 +108,10 @@ def test_score_responses_decodes_the_batch_as_the_reward_sees_it(artifacts):
     response_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids in answers])
     response_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in answers])
     prompt_ids = torch.tensor([tokenizer.encode("q1"), tokenizer.encode("q2")])
-    batch = build_batch(prompt_ids, torch.ones_like(prompt_ids), response_ids, response_mask)
+    batch = Sequences.build(prompt_ids, torch.ones_like(prompt_ids), response_ids, response_mask)
     rows = {"input_ids": prompt_ids.tolist(), "ground_truth": ["12", "7"], "source": ["a", "b"]}
     reward_fn = rewards.RewardFn(record, "test:record")
-    scores = rewards.score_responses(reward_fn, tokenizer, batch, rows)
+    scores = rewards.score_batch(reward_fn, tokenizer, batch, rows).scores
     assert scores.dtype == torch.float32 and scores.tolist() == [len(answers[0]) + 0.5, len(answers[1]) + 0.5]
     assert seen == {"prompts": ["q1", "q2"], "completions": ["#### 12", "3 + 4 = 7"], "completion_ids": answers,
                     "ground_truth": ["12", "7"], "source": ["a", "b"]}

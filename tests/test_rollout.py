@@ -9,8 +9,8 @@ import torch
 from helpers import tiny_qwen2
 from transformers import GenerationConfig
 
-from rlhf.ppo import logprob_mismatch
-from rlhf.rollout import (SamplingParams, build_batch, generate, left_pad, logprobs_and_logits, next_token,
+from rlhf.step import logprob_mismatch, logprobs_and_logits
+from rlhf.rollout import (SamplingParams, Sequences, generate, left_pad, next_token,
                           response_mask_from_ids)
 
 EOS, PAD = 1, 0
@@ -32,7 +32,7 @@ def test_sampling_is_not_top_k_truncated():
     prompts = torch.full((2048, 3), 7)
     torch.manual_seed(0)
     batch = generate(model, FakeTokenizer, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=1))
-    assert batch["response_ids"][:, 0].unique().numel() > 200
+    assert batch.response_ids[:, 0].unique().numel() > 200
 
 
 def test_response_mask_stops_after_first_eos():
@@ -46,9 +46,9 @@ def test_ignore_eos_samples_every_token():
     torch.manual_seed(0)
     batch = generate(model, FakeTokenizer, prompts, torch.ones_like(prompts),
                      SamplingParams(max_new_tokens=12, ignore_eos=True))
-    assert batch["response_ids"].shape == (8, 12)
-    assert batch["response_mask"].all()
-    assert (batch["response_ids"] == EOS).any()  # EOS was sampled, and generation went on
+    assert batch.response_ids.shape == (8, 12)
+    assert batch.response_mask.all()
+    assert (batch.response_ids == EOS).any()  # EOS was sampled, and generation went on
 
 
 def hf_config(**kwargs) -> GenerationConfig:
@@ -70,8 +70,8 @@ def test_greedy_decoding_equals_transformers_generate():
         theirs = theirs[:, prompt_ids.shape[1]:]
         mask = response_mask_from_ids(theirs, eos)
         expected = torch.nn.functional.pad(torch.where(mask.bool(), theirs, PAD), (0, 20 - theirs.shape[1]), value=PAD)
-        assert torch.equal(ours["response_ids"], expected)  # argmax tokens: the same passes, the same shapes
-        assert torch.equal(ours["response_mask"].sum(dim=1), mask.sum(dim=1))
+        assert torch.equal(ours.response_ids, expected)  # argmax tokens: the same passes, the same shapes
+        assert torch.equal(ours.response_mask.sum(dim=1), mask.sum(dim=1))
         lengths[eos] = mask.sum(dim=1).tolist()
     # The cases cover: every row stopping (so the loop ends early), and some rows stopping while others run on.
     assert max(lengths[13]) < 20 and min(lengths[1]) < 20 == max(lengths[1])
@@ -131,15 +131,15 @@ def test_sampled_sequences_follow_the_model_at_every_step():
     torch.manual_seed(1)
     batch = generate(model, FakeTokenizer, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=2, ignore_eos=True))
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                           position_ids=batch["position_ids"]).logits.double(), -1)
+        logprobs = torch.log_softmax(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                           position_ids=batch.position_ids).logits.double(), -1)
     width = prompt_ids.shape[1]
     for row in (0, 1):  # the long and the short (left-padded) prompt
         rows = torch.arange(row, len(prompts), 2)
-        first = batch["response_ids"][rows, 0]
+        first = batch.response_ids[rows, 0]
         token = torch.mode(first).values  # condition on the most frequent first token
         chosen = rows[first == token]
-        counts = torch.bincount(batch["response_ids"][chosen, 1], minlength=4).double()
+        counts = torch.bincount(batch.response_ids[chosen, 1], minlength=4).double()
         probs = logprobs[chosen[0], width].exp()  # p(second token | prompt, first token)
         assert within_sigmas(counts, probs)
 
@@ -159,7 +159,7 @@ def test_trainer_logprobs_match_the_sampling_distribution_with_left_padding():
     scores = torch.stack(out.scores, dim=1)  # (B, R, V): logits after the temperature warper
     expected = torch.log_softmax(scores.float(), dim=-1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
 
-    batch = build_batch(prompt_ids, prompt_mask, response, torch.ones_like(response))
+    batch = Sequences.build(prompt_ids, prompt_mask, response, torch.ones_like(response))
     with torch.no_grad():
         logprobs, logits = logprobs_and_logits(model, batch, temperature)
     assert logits.shape == (3, 6, 64)
@@ -171,7 +171,7 @@ def paired_sample(model, prompts, seed=42, step=3, process_index=0, max_new_toke
 
     torch.manual_seed(torch.randint(0, 10**6, ()).item())  # the global random state must not matter
     return generate(model, FakeTokenizer, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens),
-                    generator=paired_noise_generator(seed, step, process_index, "cpu"))["response_ids"]
+                    generator=paired_noise_generator(seed, step, process_index, "cpu")).response_ids
 
 
 def test_paired_noise_gives_the_same_samples_for_the_same_seed_step_and_process():
@@ -208,7 +208,7 @@ def test_every_eos_id_of_the_generation_config_ends_a_response_and_a_sampled_pad
     model = tiny_qwen2(16, seed=2, pad_token_id=PAD, tie_word_embeddings=False, initializer_range=0.5)
     prompt_ids, prompt_mask = left_pad([[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]], PAD)
     free = generate(model, type("Tok", (), {"pad_token_id": 15, "eos_token_id": 14}), prompt_ids, prompt_mask,
-                    SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True))["response_ids"]
+                    SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)).response_ids
     row0 = free[0].tolist()  # the first token of row 0 that is new there: declared the second EOS and the pad id
     at = next(t for t in range(1, 11) if row0[t] not in row0[:t] and row0[t] != 14)
     second = row0[at]
@@ -219,15 +219,15 @@ def test_every_eos_id_of_the_generation_config_ends_a_response_and_a_sampled_pad
     for row in range(4):
         tokens = free[row].tolist()
         end = next((t for t, tok in enumerate(tokens) if tok in (14, second)), len(tokens) - 1)
-        assert out["response_mask"][row].tolist() == [1] * (end + 1) + [0] * (len(tokens) - end - 1)
-        assert out["response_ids"][row, : end + 1].tolist() == tokens[: end + 1]
-    assert out["response_mask"][0].sum() == at + 1
+        assert out.response_mask[row].tolist() == [1] * (end + 1) + [0] * (len(tokens) - end - 1)
+        assert out.response_ids[row, : end + 1].tolist() == tokens[: end + 1]
+    assert out.response_mask[0].sum() == at + 1
 
     # the pad id sampled mid-response, and not an EOS: the response goes on through it
     pad_only = type("Tok", (), {"pad_token_id": second, "eos_token_id": 14})
     model.generation_config.eos_token_id = None
     kept = generate(model, pad_only, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=12, greedy=True))
-    assert kept["response_ids"][0, at] == second and kept["response_mask"][0, : at + 2].tolist() == [1] * (at + 2)
+    assert kept.response_ids[0, at] == second and kept.response_mask[0, : at + 2].tolist() == [1] * (at + 2)
 
 
 def test_sampler_logprobs_are_those_of_the_unfiltered_distribution_at_the_temperature():
@@ -239,16 +239,16 @@ def test_sampler_logprobs_are_those_of_the_unfiltered_distribution_at_the_temper
     params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=5)
     torch.manual_seed(0)
     batch = generate(model, FakeTokenizer, prompt_ids, prompt_mask, params, return_logprobs=True)
-    mask = batch["response_mask"].bool()
+    mask = batch.response_mask.bool()
     assert not mask.all()  # some responses ended at an EOS
     with torch.no_grad():
         logprobs, logits = logprobs_and_logits(model, batch, 0.7)
-    torch.testing.assert_close(batch["rollout_logprobs"][mask], logprobs[mask], rtol=0, atol=1e-5)
-    assert (batch["rollout_logprobs"][~mask] == 0).all()
+    torch.testing.assert_close(batch.logprobs[mask], logprobs[mask], rtol=0, atol=1e-5)
+    assert (batch.logprobs[~mask] == 0).all()
     top5 = (logits / 0.7).topk(5, dim=-1).values.logsumexp(-1)  # the normaliser over the top-k alone
-    renormalised = logits.gather(-1, batch["response_ids"][..., None])[..., 0] / 0.7 - top5
-    assert (batch["rollout_logprobs"][mask] < renormalised[mask] - 1e-3).all()
-    assert "rollout_logprobs" not in generate(model, FakeTokenizer, prompt_ids, prompt_mask, params)
+    renormalised = logits.gather(-1, batch.response_ids[..., None])[..., 0] / 0.7 - top5
+    assert (batch.logprobs[mask] < renormalised[mask] - 1e-3).all()
+    assert generate(model, FakeTokenizer, prompt_ids, prompt_mask, params).logprobs is None
 
 
 def test_logprob_mismatch_is_k3_over_valid_tokens_and_the_largest_difference():

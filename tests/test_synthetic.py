@@ -76,8 +76,8 @@ def test_sampled_responses_follow_the_policy_read_off_the_logits(built, task):
     params = SamplingParams(synthetic.response_length(task), 1.0, 0, 1.0, ignore_eos=True)
     out = generate(model, tokenizer, prompts, torch.ones_like(prompts), params,
                    generator=torch.Generator().manual_seed(0))
-    ids = out["response_ids"]
-    assert ids.shape == (num, synthetic.response_length(task)) and out["response_mask"].all()
+    ids = out.response_ids
+    assert ids.shape == (num, synthetic.response_length(task)) and out.response_mask.all()
     vocab = model.config.vocab_size
     flat = ids[:, 0] if task == "bandit" else ids[:, 0] * vocab + ids[:, 1]
     counts = torch.bincount(flat, minlength=vocab ** synthetic.response_length(task)).double() / num

@@ -16,6 +16,7 @@ import torch
 from helpers import embedded_overrides, tiny_overrides
 
 import rlhf.setup
+import rlhf.step
 import train
 from rlhf.config import load_config
 from rlhf.tracking import read_metrics
@@ -233,22 +234,22 @@ def test_paired_noise_seeds_each_steps_sampling_by_seed_step_and_process(artifac
         calls.append((seed, step, process_index))
         return paired_noise_generator(seed, step, process_index, device)
 
-    real_rollout = train.rollout
+    real_rollout = rlhf.step.rollout
 
     def rollout(*args, **kwargs):
         batch = real_rollout(*args, **kwargs)
-        used.append(batch["response_ids"].clone())
+        used.append(batch.seq.response_ids.clone())
         return batch
 
-    monkeypatch.setattr(train, "paired_noise_generator", recording)
-    monkeypatch.setattr(train, "rollout", rollout)
+    monkeypatch.setattr(rlhf.step, "paired_noise_generator", recording)
+    monkeypatch.setattr(rlhf.step, "rollout", rollout)
     run(artifacts, str(tmp_path / "a"), f"rollout.paired_noise={str(paired).lower()}", "trainer.logger=none",
         "trainer.seed=7")
     assert calls == ([(7, 1, 0), (7, 2, 0)] if paired else [])
     if paired:  # the same steps again, with step 2's noise seeded like step 1's: step 2's samples change
         first = used[:]
         calls.clear(), used.clear()
-        monkeypatch.setattr(train, "paired_noise_generator",
+        monkeypatch.setattr(rlhf.step, "paired_noise_generator",
                             lambda seed, step, process_index, device: paired_noise_generator(seed, 1, process_index, device))
         run(artifacts, str(tmp_path / "b"), "rollout.paired_noise=true", "trainer.logger=none", "trainer.seed=7")
         assert torch.equal(used[0], first[0]) and not torch.equal(used[1], first[1])

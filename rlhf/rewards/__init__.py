@@ -17,7 +17,7 @@ batch of B responses the trainer calls
   (the reference number) for the GSM8K data the trainer loads (PROMPT_FIELDS).
 
 It returns one real number per response (a list, tuple, 1-D tensor or array; bools count as 0 and 1), which
-is the response's score: its reward on the last token (rlhf.ppo.token_rewards), `critic/score/mean`. Every
+is the response's score: its reward on the last token (rlhf.core_algos.token_rewards), `critic/score/mean`. Every
 call's result is checked, and a wrong length, a value that is not a number or one that is not finite raises
 RewardError naming the function, what it returned and what was expected. The import, the attribute and the
 signature (can it take the keyword call?) are checked by rlhf.config.validate, before any model loads.
@@ -188,36 +188,39 @@ def score(reward_fn: RewardFn, tokenizer, prompts: Sequence[str], completion_ids
     return torch.tensor(reward_fn(prompts, completions, completion_ids, fields), dtype=torch.float32)
 
 
-def score_responses(reward_fn: RewardFn | WeightedReward, tokenizer, batch, rows) -> torch.Tensor:
-    """(B,) float32 scores of the batch's responses by the configured reward (`score_parts`, combined)."""
-    return reward_fn.combine(score_parts(reward_fn, tokenizer, batch, rows))
+@dataclass
+class Scored:
+    """The configured reward's verdict on a batch of B responses (score_batch)."""
+
+    scores: torch.Tensor  # (B,) float32: each response's score, its reward on the last token
+    correct: torch.Tensor  # (B,) bool: right by the reward's is_correct (reward.correct_threshold)
+    parts: dict[str, torch.Tensor]  # reward/<name>: each part's (B,) scores, for a reward of several; else empty
 
 
-def score_batch(reward_fn: RewardFn | WeightedReward, tokenizer, batch, rows) -> dict[str, torch.Tensor]:
-    """The batch's (B,) `scores` by the configured reward (`score_parts`, combined), (B,) bool `correct`
-    (`is_correct`), and for a reward of several parts (reward.functions) each part's (B,) scores as
-    `reward/<name>`, which the step logs and the samples show."""
-    parts = score_parts(reward_fn, tokenizer, batch, rows)
+def score_batch(reward_fn: RewardFn | WeightedReward, tokenizer, seq, rows) -> Scored:
+    """The scores of a batch's responses (`seq`, rlhf.rollout.Sequences) to its prompt rows (`rows`, one per
+    response: input_ids and the task's fields) by the configured reward: each part's (`score_parts`), combined,
+    and whether each response counts as right."""
+    parts = score_parts(reward_fn, tokenizer, seq, rows)
     several = {f"reward/{name}": values for name, values in parts.items()} if isinstance(reward_fn, WeightedReward) else {}
     correct = reward_fn.is_correct(reward_fn.correctness(parts).tolist())
-    correct = torch.tensor(correct, dtype=torch.bool, device=batch["response_ids"].device)
-    return {"scores": reward_fn.combine(parts), "correct": correct, **several}
+    correct = torch.tensor(correct, dtype=torch.bool, device=seq.response_ids.device)
+    return Scored(reward_fn.combine(parts), correct, several)
 
 
-def score_parts(reward_fn: RewardFn | WeightedReward, tokenizer, batch, rows) -> dict[str, torch.Tensor]:
+def score_parts(reward_fn: RewardFn | WeightedReward, tokenizer, seq, rows) -> dict[str, torch.Tensor]:
     """{part name: (B,) float32 scores} of the batch's responses by each part of the configured reward (one part
     for reward.function): each row's prompt decoded with its special tokens, its response's tokens up to and
     including the stop token (the response mask), and the rows' other columns as the function's fields.
     `reward_fn.combine` of it is the score."""
-    lengths = batch["response_mask"].sum(dim=1).tolist()
-    completion_ids = [ids[:length] for ids, length in zip(batch["response_ids"].tolist(), lengths)]
+    lengths = seq.response_mask.sum(dim=1).tolist()
+    completion_ids = [ids[:length] for ids, length in zip(seq.response_ids.tolist(), lengths)]
     prompts = tokenizer.batch_decode(rows["input_ids"])
     fields = {key: values for key, values in rows.items() if key != "input_ids"}
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     parts = reward_fn.score_parts(prompts, completions, completion_ids, fields)
-    return {name: torch.tensor(values, dtype=torch.float32, device=batch["response_ids"].device)
+    return {name: torch.tensor(values, dtype=torch.float32, device=seq.response_ids.device)
             for name, values in parts.items()}
-
 
 
 def import_reward(name: str, key: str = "reward.function") -> Callable:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-class PromptSampler:
+class PromptOrder:
     """Yields global batches of `batch_size` dataset indices; each epoch is a fresh permutation
     drawn from (seed, epoch), so the order depends on nothing but these two numbers and the state
     is just (epoch, position). A last partial batch of an epoch is dropped."""

@@ -26,10 +26,10 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from rlhf.ppo import repeat_prompts
 from rlhf.processes import eval_batches, stop_rule
 from rlhf.rewards import score_batch
-from rlhf.rollout import SamplingParams, cut_responses, generate, left_pad, paired_noise_generator, stop_token_ids
+from rlhf.rollout import (SamplingParams, cut_responses, generate, left_pad, paired_noise_generator, repeat_prompts,
+                          stop_token_ids)
 from rlhf.samples import sample_rows
 
 # A task's own metric of held-out responses: (decoded responses, each one's row index in the held-out split)
@@ -127,9 +127,9 @@ def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool, num_samples
             return generate(model, tokenizer, prompt_ids.to(accelerator.device), prompt_mask.to(accelerator.device),
                             params, all_finished=stop_rule(accelerator), generator=generator)
 
-    def task_values(batch, indices):
+    def task_values(seq, indices):
         """Each task metric's value of every response to this process's problems (a stand-in row has none)."""
-        texts = tokenizer.batch_decode(batch["response_ids"][:len(indices)], skip_special_tokens=True)
+        texts = tokenizer.batch_decode(seq.response_ids[:len(indices)], skip_special_tokens=True)
         return [list(fn(texts, indices)) for fn in task_metrics.values()]
 
     def problem_means(values, per_problem, num):
@@ -141,21 +141,21 @@ def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool, num_samples
                            accelerator.num_processes)
     for mine in tqdm(batches, desc="eval", leave=False, disable=not accelerator.is_local_main_process):
         rows = val_set[mine or [0]]  # a process without rows left decodes a stand-in (see eval_batches)
-        batch = decode(rows, greedy)
-        batch.update(score_batch(reward_fn, tokenizer, batch, rows))
+        seq = decode(rows, greedy)
+        scored = score_batch(reward_fn, tokenizer, seq, rows)
         if num_samples and not samples and mine:  # this process's first batch
-            samples = sample_rows(tokenizer, batch, rows, stop_ids, num_samples)
-        correct, cut = batch["correct"].tolist(), cut_responses(batch, stop_ids).tolist()
-        values = task_values(batch, mine)
+            samples = sample_rows(tokenizer, seq, scored, stop_ids, num_samples)
+        correct, cut = scored.correct.tolist(), cut_responses(seq, stop_ids).tolist()
+        values = task_values(seq, mine)
         row_sums = [sum(correct[:len(mine)]), sum(cut[:len(mine)]), *(sum(v) for v in values)]
         per_row = [[float(c), float(k), *means] for c, k, means in zip(correct, cut, problem_means(values, 1, len(mine)))]
         if n:
             repeated = repeat_prompts(rows, n)[0]
-            batch = decode(repeated, sampled, noise)
-            correct = score_batch(reward_fn, tokenizer, batch, repeated)["correct"].tolist()
-            answers = reward_fn.answers(tokenizer.batch_decode(batch["response_ids"], skip_special_tokens=True))
+            seq = decode(repeated, sampled, noise)
+            correct = score_batch(reward_fn, tokenizer, seq, repeated).correct.tolist()
+            answers = reward_fn.answers(tokenizer.batch_decode(seq.response_ids, skip_special_tokens=True))
             per_problem = torch.zeros(len(sizes) + 1, dtype=torch.float64)
-            values = task_values(batch, [i for i in mine for _ in range(n)])
+            values = task_values(seq, [i for i in mine for _ in range(n)])
             for i, means in enumerate(problem_means(values, n, len(mine))):
                 group = slice(i * n, (i + 1) * n)
                 scores = sampled_scores(correct[group], answers[group], sizes)

@@ -10,9 +10,9 @@ import pytest
 from helpers import tiny_overrides
 
 import train
-from rlhf import evaluation
+from rlhf import held_out
 from rlhf.config import load_config
-from rlhf.evaluation import majority_vote, pass_at_k, pass_at_k_sizes, sampled_scores
+from rlhf.held_out import majority_vote, pass_at_k, pass_at_k_sizes, sampled_scores
 from rlhf.rewards import RewardFn, load_reward
 from rlhf.rewards.gsm8k import final_answer
 from rlhf.tracking import read_metrics
@@ -71,7 +71,7 @@ def test_sampled_evaluation_is_logged_and_leaves_training_unchanged(artifacts, t
         recorded.append([rng.random() for _ in range(len(sizes) + 1)])
         return recorded[-1]
 
-    monkeypatch.setattr(evaluation, "sampled_scores", recording)
+    monkeypatch.setattr(held_out, "sampled_scores", recording)
     # The completions themselves as the answers (GSM8K's final answers of the tiny model are mostly None).
     monkeypatch.setattr(RewardFn, "answers", lambda self, completions: list(completions))
     runs = {}
