@@ -20,6 +20,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from rlhf import decode
 from rlhf.core_algos import logprobs_from_logits
 
 
@@ -154,9 +155,15 @@ def kv_cache_name(model) -> str:
 
 
 def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: tuple[int, ...] | None, pad_token_id: int,
-            all_finished, generator=None, keep_logprobs: bool = False):
+            all_finished, generator=None, keep_logprobs: bool = False, reference: bool = False):
     """(B, max_new_tokens) sampled tokens, pad after a sequence's EOS and for every sequence once all have
-    stopped; and with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at the temperature, else None."""
+    stopped; and with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at the temperature, else None.
+    rlhf.decode's static-cache loop where it applies (the same tokens and log-probs, tests/test_decode.py), else
+    this one, a forward pass of the model per token; `reference` runs this one always."""
+    if not reference and all_finished is torch.all and decode.supports(model):
+        return decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens,
+                             lambda logits: next_token(logits, params, generator), params.temperature, eos,
+                             pad_token_id, generator, keep_logprobs)
     batch_size, prompt_width = prompt_ids.shape
     # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, params.max_new_tokens)], dim=1)
