@@ -29,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from rlhf.rollout import SamplingParams, _decode, left_pad, paired_noise_generator  # noqa: E402
+from rlhf.rollout import SamplingParams, _decode, left_pad, next_token, paired_noise_generator  # noqa: E402
 
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
                     vocab_size=151_936, tie_word_embeddings=True)  # bench/recipe_memory.py's shape
@@ -69,8 +69,8 @@ def run(model, prompt_ids, prompt_mask, params, autocast: bool, reference: bool,
     with torch.inference_mode() if not autocast else torch.no_grad(), \
             torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
         if compiled:
-            pick = lambda logits: __import__("rlhf.rollout").rollout.next_token(logits, params, generator)  # noqa: E731
-            tokens, _ = decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick, params.temperature,
+            tokens, _ = decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens,
+                                      lambda logits: next_token(logits, params, generator), params.temperature,
                                       None, 0, generator, compiled=True)
         else:
             tokens, _ = _decode(model, prompt_ids, prompt_mask, params, None, 0, torch.all, generator,

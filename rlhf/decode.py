@@ -176,6 +176,10 @@ class Step:
         self.rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
         self.forward = self._forward
         if compiled:
+            # The cache is written in place at every step: static addresses, so that a CUDA graph may own them
+            # (gpt-fast's KV cache is a module buffer for the same reason).
+            for tensor in (*cache.keys, *cache.values):
+                torch._dynamo.mark_static_address(tensor)
             mode = "reduce-overhead" if cache.keys[0].device.type == "cuda" else None
             self.forward = torch.compile(self._forward, mode=mode, dynamic=False)
             self.slots = torch.arange(cache.length, device=cache.keys[0].device)
