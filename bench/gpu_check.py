@@ -565,10 +565,13 @@ def main(argv: list[str] | None = None) -> int:
             if "embedded_default" in args.parts:
                 with report.part("embedded_default") as result:
                     embedded_default(result, args, tmp)
-            model_dir, tokenizer = qwen_parts(args, tmp)
-            questions, truths, source = gsm8k_questions(args)
-            rows = prompt_rows(tokenizer, questions, truths, 512)
-            report.data["prompts"] = {"source": source, "rows": len(rows)}
+            if set(args.parts) & {"decode_sweep", "recipes", "memory_sweep", "checkpoint"}:
+                model_dir, tokenizer = qwen_parts(args, tmp)
+                questions, truths, source = gsm8k_questions(args)
+                rows = prompt_rows(tokenizer, questions, truths, 512)
+                widths = sorted(len(ids) for ids in rows.columns["input_ids"])
+                report.data["prompts"] = {"source": source, "rows": len(rows), "tokens_min": widths[0],
+                                          "tokens_median": widths[len(widths) // 2], "tokens_max": widths[-1]}
             for name, fn in (("decode_sweep", lambda r: decode_sweep(r, args, model_dir, tokenizer, rows)),
                              ("recipes", lambda r: recipes(r, args, model_dir, rows, tmp)),
                              ("memory_sweep", lambda r: memory_sweep(r, args, model_dir, rows, tmp)),
