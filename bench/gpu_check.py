@@ -11,7 +11,8 @@ one log, into --out (default outputs/gpu_check/).
 Parts, in order, each timed with the device synchronised (`parts.<name>` in the JSON):
 - cuda_tests: the tests marked `cuda` (tests/test_cuda.py: bf16 autocast, full_kl against its CPU result, the
   two decoding loops on the GPU), run in this process by pytest;
-- embedded_default: configs/tiny.yaml trained on the device for its 40 steps (its warm start built first):
+- embedded_default: configs/tiny.yaml trained on the device for its 40 steps (the warm start from .gpu_check/,
+  else built first, ~2 min on one CPU thread):
   held-out accuracy at step 0 and at the end, seconds a step;
 - decode_sweep: Qwen2.5-0.5B's architecture (random weights) under bf16 autocast, the static-cache loop at
   batch sizes up to the whole GSM8K test set (1,319), the reference loop at two of them, the compiled step at
@@ -66,6 +67,7 @@ class Report:
         self.data = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      "args": vars(args), "machine": {}, "parts": {}, "finished": False}
         self.log_file = open(self.log_path, "w")
+        self.start, self.budget = time.perf_counter(), args.budget
 
     def log(self, message: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {message}"
@@ -77,6 +79,9 @@ class Report:
         with open(self.path + ".part", "w") as f:
             json.dump(self.data, f, indent=1)
         os.replace(self.path + ".part", self.path)
+
+    def seconds_left(self) -> float:
+        return self.budget - (time.perf_counter() - self.start)
 
     @contextlib.contextmanager
     def part(self, name: str):
@@ -316,7 +321,9 @@ def embedded_default(result, args, tmp: str) -> None:
     from rlhf.config import load_config
     from rlhf.tracking import read_metrics
 
-    overrides = [f"trainer.output_dir={tmp}/tiny", f"trainer.cache_dir={tmp}/cache", "trainer.logger=none"]
+    cache = os.path.join(args.prepared, "embedded-cache")  # the warm start prepare_gpu_check.py built, if any
+    overrides = [f"trainer.output_dir={tmp}/tiny", "trainer.logger=none",
+                 f"trainer.cache_dir={cache if os.path.isdir(cache) and not args.toy else os.path.join(tmp, 'cache')}"]
     if args.toy:
         overrides += ["trainer.total_steps=2", "task.options.num_train=64", "task.options.num_val=16",
                       "task.options.sft_steps=5", "task.options.hidden_size=32", "task.options.num_layers=1",
@@ -332,7 +339,7 @@ def embedded_default(result, args, tmp: str) -> None:
                   cpu_reference="docs/results.md, 'The embedded default': accuracy rises over the 40 steps on CPU")
 
 
-def decode_sweep(result, args, model_dir: str, tokenizer, rows: Rows) -> None:
+def decode_sweep(result, args, model_dir: str, tokenizer, rows: Rows, report: Report) -> None:
     import torch
 
     from rlhf import decode
@@ -367,13 +374,14 @@ def decode_sweep(result, args, model_dir: str, tokenizer, rows: Rows) -> None:
 
     timed(sizes[0], "static")  # warm-ups
     timed(sizes[0], "reference")
-    for batch_size in sizes:
-        runs.append(timed(batch_size, "static"))
-        result["runs"] = runs
-    for batch_size in (sizes[1], sizes[-3]):
-        runs.append(timed(batch_size, "reference"))
-    result.update(tokens=tokens, autocast_bf16=autocast)
+    result.update(tokens=tokens, autocast_bf16=autocast, runs=runs)
+    for loop, batch_size in [*(("static", b) for b in sizes), ("reference", sizes[1]), ("reference", sizes[-3])]:
+        runs.append(timed(batch_size, loop))
+        report.write()  # a run cut short keeps the sizes done
     if args.toy:  # compiling takes ~30 s on a CPU: tests/test_decode.py's slow test covers the compiled step there
+        return
+    if report.seconds_left() < 120:
+        result["compiled_note"] = "not run: less than 120 s of --budget left"
         return
     start = time.perf_counter()
     try:
@@ -384,7 +392,7 @@ def decode_sweep(result, args, model_dir: str, tokenizer, rows: Rows) -> None:
         result["compiled_error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def recipes(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
+def recipes(result, args, model_dir: str, rows: Rows, tmp: str, report: Report) -> None:
     import torch
     from accelerate import Accelerator
 
@@ -407,6 +415,7 @@ def recipes(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
             steps.append({"seconds": round(time.perf_counter() - start, 2), "phases": probe.phases(),
                           "response_length": metrics["response_length/mean"], "kl_full": metrics.get("kl/full")})
             result[name] = {"steps": steps}
+            report.write()
         computed = rm.memory(cfg, shape=rm.QWEN2_5_0_5B, prompt_tokens=widths[-1]) if not args.toy else None
         result[name].update(
             config=cfg.data.train_batch_size, responses=cfg.data.train_batch_size * cfg.rollout.n,
@@ -530,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real", action="store_true", help="networked machine: real weights and GSM8K from the hub")
     parser.add_argument("--steps", type=int, default=20, help="--real: PPO steps to compare with verl's curve")
     parser.add_argument("--prepared", default=PREPARED, help="what bench/prepare_gpu_check.py wrote")
+    parser.add_argument("--budget", type=float, default=480, help="seconds: a part not started by then is skipped, "
+                                                                  "and the compiled decoding step needs 120 s left")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
@@ -555,14 +566,23 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version()}
     report.write()
     report.log(f"{report.data['machine']}; parts: {' '.join(args.parts)}")
+    def wanted(name: str) -> bool:
+        if name not in args.parts:
+            return False
+        if report.seconds_left() <= 0:
+            report.data["parts"][name] = {"status": "skipped", "note": f"over the --budget of {args.budget:.0f} s"}
+            report.write()
+            return False
+        return True
+
     with tempfile.TemporaryDirectory() as tmp:
         if args.real:
             real_mode(report, args, tmp)
         else:
-            if "cuda_tests" in args.parts:
+            if wanted("cuda_tests"):
                 with report.part("cuda_tests") as result:
                     cuda_tests(result, args)
-            if "embedded_default" in args.parts:
+            if wanted("embedded_default"):
                 with report.part("embedded_default") as result:
                     embedded_default(result, args, tmp)
             if set(args.parts) & {"decode_sweep", "recipes", "memory_sweep", "checkpoint"}:
@@ -572,20 +592,22 @@ def main(argv: list[str] | None = None) -> int:
                 widths = sorted(len(ids) for ids in rows.columns["input_ids"])
                 report.data["prompts"] = {"source": source, "rows": len(rows), "tokens_min": widths[0],
                                           "tokens_median": widths[len(widths) // 2], "tokens_max": widths[-1]}
-            for name, fn in (("decode_sweep", lambda r: decode_sweep(r, args, model_dir, tokenizer, rows)),
-                             ("recipes", lambda r: recipes(r, args, model_dir, rows, tmp)),
+            for name, fn in (("decode_sweep", lambda r: decode_sweep(r, args, model_dir, tokenizer, rows, report)),
+                             ("recipes", lambda r: recipes(r, args, model_dir, rows, tmp, report)),
                              ("memory_sweep", lambda r: memory_sweep(r, args, model_dir, rows, tmp)),
                              ("checkpoint", lambda r: checkpoint(r, args, model_dir, rows, tmp))):
-                if name in args.parts:
+                if wanted(name):
                     with report.part(name) as result:
                         fn(result)
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
     report.data["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report.write()
-    failed = [name for name, part in report.data["parts"].items() if part["status"] != "ok"]
-    report.log(f"done: {len(report.data['parts']) - len(failed)} part(s) ok" + (f", failed: {', '.join(failed)}"
-                                                                               if failed else ""))
+    status = {name: part["status"] for name, part in report.data["parts"].items()}
+    failed, skipped = ([n for n, st in status.items() if st == kind] for kind in ("failed", "skipped"))
+    report.log(f"done: {sum(st == 'ok' for st in status.values())} part(s) ok"
+               + (f", failed: {', '.join(failed)}" if failed else "")
+               + (f", skipped (over the budget): {', '.join(skipped)}" if skipped else ""))
     return 1 if failed else 0
 
 

@@ -11,6 +11,8 @@ What it writes into --out (default .gpu_check/), 64 MiB at most in all (it stops
   from the recipe's shape (bench/recipe_memory.QWEN2_5_0_5B) and Qwen's published values;
 - gsm8k_test.jsonl: GSM8K's 1,319 test problems (question, answer) from the hub (`openai/gsm8k`), where it is
   reachable; without it the check builds GSM8K-shaped prompts from the embedded problem generator;
+- embedded-cache/: the embedded default's warm start (configs/tiny.yaml's, ~2 min to build on one CPU thread),
+  so that the check's embedded_default part spends its time on the GPU;
 - wheels/: the packages the GPU image lacks, for Python --python-version on --platform, each at the version
   installed here (pip download --no-deps --only-binary=:all:). The default list is what the project needs beyond
   torch, transformers, accelerate and what they bring, less what the lent H200 image has (it has pyarrow,
@@ -81,6 +83,16 @@ def gsm8k_test(out: str) -> str:
     return f"the hub: openai/gsm8k, main, test ({len(rows)} rows)"
 
 
+def embedded_cache(out: str) -> str:
+    """configs/tiny.yaml's warm start, built into out/embedded-cache (rlhf.embedded's cache layout)."""
+    from rlhf.config import load_config
+    from rlhf.embedded import embedded_options, prepare_embedded_default
+
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"))
+    artifacts = prepare_embedded_default(os.path.join(out, "embedded-cache"), embedded_options(cfg))
+    return os.path.relpath(artifacts.model_dir, out)
+
+
 def wheels(out: str, packages: list[str], python_version: str) -> list[str]:
     """Download each package's wheel at the version installed here (or the newest, if not installed)."""
     wheel_dir = os.path.join(out, "wheels")
@@ -107,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     manifest = {"date": datetime.date.today().isoformat(), **tokenizer_and_config(args.out),
-                "gsm8k": gsm8k_test(args.out)}
+                "gsm8k": gsm8k_test(args.out), "embedded": embedded_cache(args.out)}
     manifest["wheels"] = wheels(args.out, args.packages, args.python_version) if args.packages else []
     files = {os.path.relpath(os.path.join(root, f), args.out): os.path.getsize(os.path.join(root, f))
              for root, _, names in os.walk(args.out) for f in names if f != "manifest.json"}
@@ -115,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(files.values())
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
-    for key in ("tokenizer", "config", "gsm8k"):
+    for key in ("tokenizer", "config", "gsm8k", "embedded"):
         print(f"{key}: {manifest[key]}")
     print(f"wheels: {', '.join(manifest['wheels']) or 'none'}")
     print(f"{args.out}: {len(files)} files, {total / 2**20:.1f} MiB (limit {LIMIT_BYTES / 2**20:.0f} MiB)")

@@ -42,6 +42,16 @@ def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
     assert parts["checkpoint"]["gib"] > 0 and parts["checkpoint"]["seconds_to_write"] > 0
 
 
+def test_parts_past_the_budget_are_skipped_and_said_so(tmp_path):
+    done = subprocess.run([sys.executable, SCRIPT, "--toy", "--device", "cpu", "--out", str(tmp_path), "--budget", "0",
+                           "--parts", "cuda_tests", "checkpoint"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(tmp_path / "gpu_check.json") as f:
+        parts = json.load(f)["parts"]
+    assert {name: part["status"] for name, part in parts.items()} == {"cuda_tests": "skipped", "checkpoint": "skipped"}
+    assert "skipped (over the budget): cuda_tests, checkpoint" in done.stdout
+
+
 def test_without_a_gpu_it_says_so_and_stops_at_once(tmp_path):
     done = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
