@@ -97,6 +97,41 @@ def test_the_update_grows_with_the_micro_batch_and_checkpointing_keeps_less():
     assert off["layer activations kept, update"] > 5 * small["layer activations kept, update"]
 
 
+@pytest.mark.parametrize("recipe", ["ppo", "grpo"])
+def test_each_card_s_sizes_fit_it_and_the_next_larger_micro_batch_does_not(recipe):
+    """fitting_overrides: the chosen sizes' computed peak fits the card (its GB less the allowance); the next
+    larger micro-batch that divides the mini-batch share does not fit the update, unless the chosen one is the
+    whole share."""
+    path = recipe_memory.RECIPES[recipe]
+    for _, card_gb, sharding, processes in recipe_memory.CARDS:
+        overrides = recipe_memory.fitting_overrides(recipe, card_gb, sharding, processes)
+        if overrides is None:
+            assert (recipe, card_gb, sharding) == ("ppo", 24, "ddp")  # docs/gpu.md: PPO under DDP does not fit 24 GB
+            continue
+        usable = recipe_memory.usable_gib(card_gb)
+        cfg = load_config(path, overrides)
+        computed = recipe_memory.memory(cfg, num_processes=processes, sharding=sharding,
+                                        prompt_tokens=recipe_memory.GSM8K_PROMPT_TOKENS)
+        assert computed["peak"] <= usable
+        share = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // processes
+        larger = [m for m in range(cfg.actor.ppo_micro_batch_size + 1, share + 1) if share % m == 0]
+        if larger:
+            bigger = load_config(path, [*overrides, f"actor.ppo_micro_batch_size={larger[0]}"])
+            assert recipe_memory.memory(bigger, num_processes=processes, sharding=sharding,
+                                        prompt_tokens=recipe_memory.GSM8K_PROMPT_TOKENS)["update"] > usable
+
+
+def test_the_recipes_ship_the_24_gb_one_gpu_sizes():
+    """The configs' micro-batches, evaluation batch and checkpointing are the model's 24 GB, one-GPU column."""
+    for recipe, path in recipe_memory.RECIPES.items():
+        overrides = recipe_memory.fitting_overrides(recipe, 24, "none", 1)
+        shipped, fitted = load_config(path), load_config(path, overrides)
+        assert shipped.actor.ppo_micro_batch_size == fitted.actor.ppo_micro_batch_size
+        assert shipped.rollout.log_prob_micro_batch_size == fitted.rollout.log_prob_micro_batch_size
+        assert shipped.data.val_batch_size == fitted.data.val_batch_size
+        assert shipped.model.gradient_checkpointing == fitted.model.gradient_checkpointing
+
+
 @pytest.mark.slow
 def test_validation_against_measured_peaks():
     """bench/recipe_memory.py --validate: every phase's computed peak within 15% of the one measured on this CPU
