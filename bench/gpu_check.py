@@ -268,9 +268,19 @@ def recipe_config(args, name: str, model_dir: str, out_dir: str, extra=()):
 
     path = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml" if name == "ppo" else "gsm8k_qwen2.5_0.5b_grpo.yaml")
     toy = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
-           "rollout.log_prob_micro_batch_size=2", "data.max_response_length=16", "trainer.mixed_precision=no"] if args.toy else []
+           "rollout.log_prob_micro_batch_size=2", "data.max_response_length=16"] if args.toy else []
     return load_config(path, [f"model.path={model_dir}", f"trainer.output_dir={out_dir}", "trainer.logger=none",
                               *toy, *extra])
+
+
+def fresh_accelerator(cfg, device):
+    """An Accelerator for `cfg`'s mixed precision: accelerate keeps one state per process and refuses another
+    precision once set, and the parts differ (the embedded default trains without autocast, the recipes in bf16)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=device.type == "cpu")
 
 
 def build_run(cfg, rows: Rows, accelerator):
@@ -329,6 +339,9 @@ def embedded_default(result, args, tmp: str) -> None:
                       "task.options.sft_steps=5", "task.options.hidden_size=32", "task.options.num_layers=1",
                       "task.options.num_heads=2", "task.options.num_kv_heads=1", "data.train_batch_size=8",
                       "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=4"]
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # train.main makes its own Accelerator
     start = time.perf_counter()
     train.main(load_config(os.path.join(REPO, "configs", "tiny.yaml"), overrides))
     rows = read_metrics(os.path.join(tmp, "tiny", "metrics.jsonl"))
@@ -394,7 +407,6 @@ def decode_sweep(result, args, model_dir: str, tokenizer, rows: Rows, report: Re
 
 def recipes(result, args, model_dir: str, rows: Rows, tmp: str, report: Report) -> None:
     import torch
-    from accelerate import Accelerator
 
     from train import train_step
 
@@ -403,7 +415,7 @@ def recipes(result, args, model_dir: str, rows: Rows, tmp: str, report: Report) 
     widths = sorted(len(x) for x in rows.columns["input_ids"])
     for name in ("ppo", "grpo"):
         cfg = recipe_config(args, name, model_dir, os.path.join(tmp, name))
-        accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=device.type == "cpu")
+        accelerator = fresh_accelerator(cfg, device)
         run = build_run(cfg, rows, accelerator)
         steps = []
         for step in (1, 2):
@@ -417,10 +429,14 @@ def recipes(result, args, model_dir: str, rows: Rows, tmp: str, report: Report) 
             result[name] = {"steps": steps}
             report.write()
         computed = rm.memory(cfg, shape=rm.QWEN2_5_0_5B, prompt_tokens=widths[-1]) if not args.toy else None
+        peaks = [phase["peak_gib"] for step in steps for phase in step["phases"].values() if phase["peak_gib"]]
         result[name].update(
-            config=cfg.data.train_batch_size, responses=cfg.data.train_batch_size * cfg.rollout.n,
+            prompts=cfg.data.train_batch_size, responses=cfg.data.train_batch_size * cfg.rollout.n,
+            mixed_precision=cfg.trainer.mixed_precision, micro_batches={
+                "actor.ppo_micro_batch_size": cfg.actor.ppo_micro_batch_size,
+                "rollout.log_prob_micro_batch_size": cfg.rollout.log_prob_micro_batch_size},
             computed_peak_gib=None if computed is None else {p: round(computed[p], 2) for p in rm.PHASES},
-            max_memory_allocated_gib=(torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None))
+            peak_gib=max(peaks) if peaks else None)
         del run
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -431,7 +447,6 @@ def recipes(result, args, model_dir: str, rows: Rows, tmp: str, report: Report) 
 def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
     """The update alone (train.update) on one rollout batch of 32 responses, per micro-batch size."""
     import torch
-    from accelerate import Accelerator
 
     import train
 
@@ -442,7 +457,7 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
     base = ["data.train_batch_size=" + str(responses), f"actor.ppo_mini_batch_size={responses}",
             f"rollout.log_prob_micro_batch_size={min(responses, 8)}"]
     cfg = recipe_config(args, "ppo", model_dir, os.path.join(tmp, "sweep"), base)
-    accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=device.type == "cpu")
+    accelerator = fresh_accelerator(cfg, device)
     run = build_run(cfg, rows, accelerator)
     prompts = rows[list(range(responses))]
     batch = train.rollout(cfg, accelerator, run.models, run.tokenizer, prompts, PhaseProbe(device))
@@ -484,13 +499,12 @@ def _toy_shape(run) -> dict:
 
 def checkpoint(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
     import torch
-    from accelerate import Accelerator
 
     from rlhf.checkpoint import save_checkpoint
 
     device = torch.device(args.device)
     cfg = recipe_config(args, "ppo", model_dir, os.path.join(tmp, "checkpoint"))
-    accelerator = Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=device.type == "cpu")
+    accelerator = fresh_accelerator(cfg, device)
     run = build_run(cfg, rows, accelerator)
     for optimizer in (opt for opt in run.optimizers if opt is not None):  # AdamW's moments, as after a step
         for group in optimizer.optimizer.param_groups:

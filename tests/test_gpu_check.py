@@ -34,6 +34,7 @@ def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
     for recipe, responses in (("ppo", 4), ("grpo", 20)):
         steps = parts["recipes"][recipe]["steps"]
         assert len(steps) == 2 and parts["recipes"][recipe]["responses"] == responses
+        assert parts["recipes"][recipe]["mixed_precision"] == "bf16"  # the recipe's own, after the embedded default's none
         assert all(set(step["phases"]) == {"sampling", "log-probs", "update"} for step in steps)
         assert all(phase["seconds"] > 0 for step in steps for phase in step["phases"].values())
     sweep = parts["memory_sweep"]["sweep"]
