@@ -65,7 +65,11 @@ def test_sampler_on_cuda_draws_from_the_softmax():
 @pytest.mark.parametrize("autocast", [False, True])
 def test_static_decoder_equals_the_reference_loop_on_cuda(autocast):
     """The same tokens and log-probs from both loops on the device, sampling with a device generator, in float32
-    and under bf16 autocast."""
+    and under bf16 autocast. Exact where transformers' own decoding folds the grouped heads into the query
+    (`pack_gqa`, transformers 5.2x), as rlhf.decode does; an older transformers copies the cache per head instead
+    (5.17 does), and this test then says whether the two kernels' roundings differ."""
+    import transformers
+
     model = model_on(CUDA)
     prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8, 9, 10], [3, 4], [11, 12, 13], [2, 3, 4, 5]] * 4, PAD)
     prompt_ids, prompt_mask = prompt_ids.to(CUDA), prompt_mask.to(CUDA)
@@ -77,8 +81,10 @@ def test_static_decoder_equals_the_reference_loop_on_cuda(autocast):
             out[side] = _decode(model, prompt_ids, prompt_mask, params, (EOS,), PAD, torch.all, generator,
                                 keep_logprobs=True, reference=side == "reference")
         out[side] += (torch.rand(3, generator=generator, device=CUDA),)
-    assert torch.equal(out["reference"][0], out["static"][0])
-    assert torch.allclose(out["reference"][1], out["static"][1], atol=1e-5)
+    where = f"transformers {transformers.__version__}, autocast {autocast}"
+    same = (out["reference"][0] == out["static"][0]).float().mean().item()
+    assert same == 1.0, f"{where}: {same:.1%} of the tokens agree"
+    assert torch.allclose(out["reference"][1], out["static"][1], atol=1e-5), where
     assert torch.equal(out["reference"][2], out["static"][2])
 
 
