@@ -31,6 +31,7 @@ step; bench/gpu_check.py measures both on a GPU, and bench/decode_speed.py on th
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -62,6 +63,22 @@ def supports(model) -> bool:
     return unsupported(model) is None
 
 
+@contextlib.contextmanager
+def cache_kept(model):
+    """Inside the block, the layers that checkpoint their activations do not: rlhf.setup makes a layer checkpoint
+    by setting its own training flag, and transformers before 5.2x (5.17, for one) then drops the KV cache in that
+    layer even without gradients, which would leave every decoding step without its past. Decoding has no backward
+    to recompute for, so nothing is lost; the flags are set back after."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and m.training]
+    for layer in layers:
+        layer.training = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.training = True
+
+
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick, temperature: float,
            stop_ids: tuple[int, ...] | None, pad_token_id: int, generator: torch.Generator | None = None,
            keep_logprobs: bool = False, compiled: bool = False, check_every: int = STOP_CHECK_EVERY):
@@ -75,7 +92,7 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_t
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
                 logits_to_keep=1)
     prompt_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    if prompt_cache is None:
+    if prompt_cache is None or prompt_cache.get_seq_length() == 0:
         raise RuntimeError(f"{type(model).__name__} returned no KV cache; generation needs use_cache=True "
                            "(gradient checkpointing in train mode turns it off)")
     cache = StaticCache(prompt_cache, prompt_width + max_new_tokens)

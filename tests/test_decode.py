@@ -148,3 +148,26 @@ def test_compiled_step_agrees_with_the_reference_loop():
                                                     1.0, (EOS,), PAD, keep_logprobs=True, compiled=True)
     assert torch.equal(tokens, compiled)
     assert torch.allclose(logprobs, compiled_logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("reference", [True, False])
+def test_gradient_checkpointing_leaves_decoding_unchanged(reference):
+    """rlhf.setup checkpoints layers by setting their own training flag; transformers before 5.2x then drops the
+    KV cache in those layers even without gradients (5.17 does), which would leave the decoding without its past.
+    generate turns the flag off while it decodes: the same tokens as the model without checkpointing."""
+    import copy
+
+    from rlhf.setup import enable_gradient_checkpointing
+
+    # an untied, large-init model (tests/test_rollout.py's greedy one), whose tokens depend on their context
+    model = tiny_qwen2(64, seed=2, pad_token_id=PAD, tie_word_embeddings=False, initializer_range=0.5)
+    checkpointed = copy.deepcopy(model)
+    enable_gradient_checkpointing(checkpointed)
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8], [3, 4], [11, 12, 13]], PAD)
+    tokenizer = type("Tok", (), {"pad_token_id": PAD, "eos_token_id": EOS})
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    rule = (lambda finished: bool(finished.all())) if reference else None  # a custom rule takes the reference loop
+    plain = generate(model, tokenizer, prompt_ids, prompt_mask, params, all_finished=rule)["response_ids"]
+    ours = generate(checkpointed, tokenizer, prompt_ids, prompt_mask, params, all_finished=rule)["response_ids"]
+    assert torch.equal(plain, ours)
+    assert all(layer.training for layer in checkpointed.model.layers)  # the flag is back for the update
