@@ -38,6 +38,7 @@ the phase less the tensors it holds) with the model's. It prints the error per p
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -79,6 +80,20 @@ def num_parameters(shape: dict = QWEN2_5_0_5B) -> int:
     return embedding + shape["num_hidden_layers"] * layer + h
 
 
+@functools.cache
+def cache_keeps_value_dtype() -> bool:
+    """Whether the installed transformers' DynamicCache keeps the values in their own dtype when the keys are in
+    another (float32 keys and bf16 values under autocast): 5.2x does; 5.17 starts both from an empty tensor of
+    the keys' dtype, so torch.cat makes the values float32 too."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2, dtype=torch.bfloat16), 0)
+    values = cache.layers[0].values if hasattr(cache, "layers") else cache.value_cache[0]
+    return values.dtype == torch.bfloat16
+
+
 def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, sharding: str = "none",
            mixed_precision: str | None = None, prompt_tokens: int | None = None) -> dict[str, float]:
     """GiB per process: each row (the module docstring), 'static', each phase of PHASES and 'peak'.
@@ -94,8 +109,10 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     compute = 2 if autocast else weight  # activations and logits
     ref_compute = 2 if autocast else ref_weight
     # Keys leave the rotary embedding in its cos/sin's dtype, the embedding's (float32 under autocast over
-    # float32 weights); values come from v_proj in the compute dtype.
-    key_bytes, value_bytes = (4 if weight == 4 else weight), compute
+    # float32 weights); values come from v_proj in the compute dtype, and stay so where the installed
+    # transformers' cache keeps each one's dtype (5.2x; 5.17 makes the values the keys' dtype).
+    key_bytes = 4 if weight == 4 else weight
+    value_bytes = compute if cache_keeps_value_dtype() else key_bytes
     actor = num_parameters(shape)
     critic = num_parameters(shape) + h + 1 if core_algos.needs_critic(cfg.algorithm.adv_estimator) else 0
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.trainer.log_kl_panel
