@@ -11,17 +11,20 @@ architectures). The two give the same tokens and the same log-probs under the sa
 
 - the prompts' forward pass is the model's own (so the first token is computed exactly as before); its keys and
   values are copied once into a static cache of (B, KV heads, prompt + max_new_tokens, head dim) per layer, in
-  the dtype the model gave them (float32 under bf16 autocast: the rotary embedding's float32 cos/sin promote
-  them);
+  the dtypes the model's own cache gave them (under bf16 autocast, float32 keys: the rotary embedding's float32
+  cos/sin promote them; bf16 values on transformers 5.25, float32 on 5.17);
 - each later token runs the decoder layers' own modules (norms, projections, MLP, the rotary embedding) in the
   order transformers' forward runs them, without its per-token set-up (the 4D mask, the cache object, the output
   record): the new key and value are written into the cache in place, and attention reads the cache as it is,
   the grouped query heads folded into the query length ((B, heads, 1, D) -> (B, KV heads, heads / KV heads, D):
-  no copy of the cache per KV head; transformers 5.x's `pack_gqa`, the same kernel);
+  no copy of the cache per KV head; transformers 5.25's own `pack_gqa`, the same kernel);
 - whether every sequence has stopped is read on the host every `STOP_CHECK_EVERY` tokens, not after each one
   (on a GPU each read waits for the queued work). The tokens drawn past the stop are pads, as in the reference,
   and the noise they drew is given back: the random state is rewound to where the reference loop leaves it, so
   the next use of the generator (or of the global random state) draws what it would have drawn.
+
+`cache_kept(model)`, around both loops in rlhf.rollout.generate, keeps layers that checkpoint their activations
+from dropping the cache while decoding (transformers before 5.2x drops it in such layers even without gradients).
 
 `compiled=True` runs the one-token step through `torch.compile` over full-length (static-shape) attention with a
 mask; on CUDA in "reduce-overhead" mode, which replays it as a CUDA graph. Its tokens agree with the eager
