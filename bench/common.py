@@ -230,7 +230,8 @@ class PhaseTimer(Timer):
     """The trainer's timer (`with timer(name): ...`, `seconds`), passed into `rlhf.step.train_step`, with what the
     benchmark needs around each phase: a profiler range `phase/<name>`, a GPU synchronisation before the
     phase's time is taken (so "gen" is the synchronised generation time), and, during "gen", a count of the
-    forward passes of `model` (the unwrapped actor) appended to `decode_steps`."""
+    decoding steps of `model` (the unwrapped actor) appended to `decode_steps`: the calls of its output layer,
+    one per token, whether the reference loop runs the whole model for it or rlhf.decode's step its layers."""
 
     def __init__(self, model=None):
         super().__init__()
@@ -244,7 +245,8 @@ class PhaseTimer(Timer):
         calls = [0]
         handle = None
         if name == "gen" and self.model is not None:
-            handle = self.model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+            handle = self.model.get_output_embeddings().register_forward_pre_hook(
+                lambda *_: calls.__setitem__(0, calls[0] + 1))
         try:
             with record_function(f"phase/{name}"), super().__call__(name):
                 yield

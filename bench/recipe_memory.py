@@ -1,35 +1,51 @@
-"""The GPU recipes' memory per GPU, computed from Qwen2.5-0.5B's shape and the config's sizes.
+"""The GPU recipes' memory per GPU, phase by phase, computed from the model's shape and the config's sizes, and
+checked against peaks measured on a CPU at reduced shapes.
 
-    python bench/recipe_memory.py                 # docs/gpu.md's table for the PPO recipe, per card size
+    python bench/recipe_memory.py                 # docs/gpu.md's table for the PPO recipe, per card and sharding
     python bench/recipe_memory.py --recipe grpo   # the same for the GRPO recipe (no critic, rollout.n = 5)
+    python bench/recipe_memory.py --validate      # the model's error per phase against measured peaks (CPU, ~3 min)
 
-Each row is one kind of tensor at its largest, in GiB per process:
-- actor and critic (float32 master weights, model.dtype): weights, gradients, AdamW's two moments; a
-  critic-free estimator (grpo, rloo) builds no critic, and its rows are left out of the table;
-- the reference (model.ref_dtype, bfloat16), frozen;
-- the bfloat16 copy autocast makes of the float32 weights of the model in use (kept for the backward, and
-  across tokens while sampling);
-- the KV cache while sampling: layers x 2 (K, V) x KV heads x head dim x (prompt + response) tokens x the
-  process's rollout batch (train_batch_size x rollout.n / processes), in bfloat16 under autocast; and the
-  prefill's MLP activations (gate, up and their product, bf16, for every prompt token of the batch), which
-  exist while the cache holds only the prompts;
-- the largest logits of a micro-batch, which is the larger of two moments: the rollout's log-prob pass
-  (rollout.log_prob_micro_batch_size rows of the actor's and the reference's bf16 logits alive together,
-  for the exact KL) and the update (actor.ppo_micro_batch_size: bf16 logits, their gradient, the
-  reference's logits when the KL loss is `full`, and one float32 chunk of LOGITS_CHUNK_ROWS rows);
-- checkpointed activations: one float32 hidden state per layer and token of a micro-batch, plus one
-  layer's activations being recomputed (an estimate: 16 hidden-sized bf16 tensors and the MLP's 3).
-What is not counted: the CUDA context and allocator slack (~1-2 GB in practice), the attention's own
-buffers. Prompts are counted at data.max_prompt_length (GSM8K's word problems are shorter: less in practice).
-Sampling, the log-prob pass and the update do not overlap (each one's tensors are freed before the next),
-so the peak is static + the bf16 copy of the weights + the largest of the three moments.
+A step has four moments that do not overlap, each one's tensors freed before the next; the peak of each is the
+memory held throughout (weights, AdamW's moments, the reference: `static`) plus what that phase adds:
+- sampling: the autocast copy of the actor's weights (bf16, cached for the whole decoding), and the largest of
+  the prefill (the prompts' KV cache while the MLP of a layer runs on every prompt token: gate, up and their
+  product), the copy of the prompts' cache into the static cache (rlhf/decode.py: both at once), and the decoding
+  (the static cache, the last position's logits and the sampler's float32 noise, a few (B, V) tensors);
+- the rollout's log-prob pass, per micro-batch of rollout.log_prob_micro_batch_size: the actor's and the
+  reference's logits alive together (for the exact KL), and the larger of two moments: the log-probs' (the flat
+  copy core_algos._row_chunks makes of the sliced logits, float32 chunks of LOGITS_CHUNK_ROWS rows) and the
+  exact KL's (flat copies of both logits, its 256-row float32 chunks);
+- the update, per micro-batch of actor.ppo_micro_batch_size: the gradients of the actor and the critic
+  (allocated at the first backward, freed after each optimizer step), the autocast copy of the weights, and what
+  autograd keeps between the forward and the backward: the logits, their float32 copy (torch.logsumexp keeps
+  each chunk's float32 input, so the whole micro-batch's logits exist in float32 until the backward), the
+  layers' inputs (gradient checkpointing) or all their activations, and at the backward's start the logits'
+  gradient (twice: the chunks' and their concatenation);
+- the optimizer step: fused AdamW's temporaries, one parameter tensor's size (small).
+With several processes: DDP adds its gradient buckets (a second copy of the gradients, 25 MB buckets packed
+from them: counted as the whole gradients' size); FSDP2 divides the actor's and the critic's weights, gradients
+and AdamW moments by the number of processes, gathers one decoder layer at a time (counted: one layer's weights)
+and keeps the reference whole. Not counted: the CUDA context and the allocator's slack (~1-2 GB in practice),
+attention's own buffers (SDPA's memory-efficient and flash kernels keep none the size of (T, T)).
+
+--validate builds Qwen2 models of reduced shapes (the real recipe's proportions at a smaller width, vocabulary
+and batch), runs two rlhf.step.train_step's of each case on the CPU in a fresh process (float32, no autocast: this
+CPU multiplies bf16 matrices 30x slower than float32), and compares each phase's measured peak (the process's
+peak resident memory during the phase, less the process's own overhead, found as its resident memory before
+the phase less the tensors it holds) with the model's. It prints the error per phase, and of the part above
+`static`, and exits 1 where a phase's peak is off by more than 15%.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import subprocess
+import sys
 
 from rlhf import core_algos, kl
+from rlhf.step import plan_step
 from rlhf.config import Config, load_config
 from rlhf.core_algos import LOGITS_CHUNK_ROWS
 
@@ -39,20 +55,19 @@ GIB = 2**30
 RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")
 GRPO_RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b_grpo.yaml")
 # Qwen/Qwen2.5-0.5B-Instruct's config.json, the fields that set its shape, under Qwen2Config's names (the
-# rehearsal and the benchmark build their models from this one dict)
+# rehearsal, the benchmarks and bench/gpu_check.py build their models from this one dict)
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Micro-batch sizes for each card (one GPU, or DDP); each recipe's own are its 24 GB column.
-CARDS = {24: [],
-         40: ["actor.ppo_micro_batch_size=8", "rollout.log_prob_micro_batch_size=16"],
-         80: ["actor.ppo_micro_batch_size=16", "rollout.log_prob_micro_batch_size=32"]}
-# The GRPO recipe has no critic, so its micro-batches start larger; actor.ppo_micro_batch_size divides a
-# mini-batch's 16 x 5 = 80 responses.
-GRPO_CARDS = {24: [],
-              40: ["actor.ppo_micro_batch_size=16", "rollout.log_prob_micro_batch_size=32"],
-              80: ["actor.ppo_micro_batch_size=40", "rollout.log_prob_micro_batch_size=64"]}
-RECIPES = {"ppo": (RECIPE, CARDS), "grpo": (GRPO_RECIPE, GRPO_CARDS)}
+GSM8K_PROMPT_TOKENS = 256  # the longest chat-templated GSM8K prompt in a batch, about (docs/gpu.md)
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+# The table's columns: (label, card GB as sold, sharding, processes). 80 GB+ tries checkpointing off first.
+CARDS = [("24 GB, 1 GPU", 24, "none", 1), ("24 GB, DDP", 24, "ddp", 2), ("24 GB, FSDP2 x2", 24, "fsdp", 2),
+         ("40 GB, 1 GPU", 40, "none", 1), ("80 GB+, 1 GPU", 80, "none", 1)]
+RESERVED_GIB = 2.0  # the CUDA context and the allocator's slack, not computed: an allowance
+NUM_HELD_OUT = 1319  # GSM8K's test problems
+RECIPES = {"ppo": RECIPE, "grpo": GRPO_RECIPE}
+PHASES = ("sampling", "log-prob pass", "update", "optimizer step", "evaluation")
 
 
 def num_parameters(shape: dict = QWEN2_5_0_5B) -> int:
@@ -62,76 +77,340 @@ def num_parameters(shape: dict = QWEN2_5_0_5B) -> int:
     kv_dim = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
     attention = h * h + h + 2 * (h * kv_dim + kv_dim) + h * h  # q (+bias), k, v (+bias), o
     layer = attention + 3 * h * shape["intermediate_size"] + 2 * h  # gate, up, down; two RMSNorms
-    return shape["vocab_size"] * h + shape["num_hidden_layers"] * layer + h
+    embedding = shape["vocab_size"] * h * (1 if shape.get("tie_word_embeddings", True) else 2)
+    return embedding + shape["num_hidden_layers"] * layer + h
 
 
-def memory(cfg: Config, shape: dict = QWEN2_5_0_5B) -> dict[str, float]:
-    """GiB per process of each row (see the module docstring), plus 'static', 'peak'; one GPU, or DDP."""
+@functools.cache
+def cache_keeps_value_dtype() -> bool:
+    """Whether the installed transformers' DynamicCache keeps the values in their own dtype when the keys are in
+    another (float32 keys and bf16 values under autocast): 5.2x does; 5.17 starts both from an empty tensor of
+    the keys' dtype, so torch.cat makes the values float32 too."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2, dtype=torch.bfloat16), 0)
+    values = cache.layers[0].values if hasattr(cache, "layers") else cache.value_cache[0]
+    return values.dtype == torch.bfloat16
+
+
+def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, sharding: str = "none",
+           mixed_precision: str | None = None, prompt_tokens: int | None = None) -> dict[str, float]:
+    """GiB per process: each row (the module docstring), 'static', each phase of PHASES and 'peak'.
+    `sharding`: none (one GPU), ddp or fsdp over `num_processes`; `mixed_precision` defaults to the config's
+    trainer.mixed_precision; `prompt_tokens` to data.max_prompt_length (the longest prompt of a batch)."""
+    if sharding not in ("none", "ddp", "fsdp"):
+        raise ValueError(f"unknown sharding {sharding!r}; choose from none, ddp, fsdp")
     h, v, layers, mlp = (shape[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size"))
-    head_dim = h // shape["num_attention_heads"]
-    weight_bytes = BYTES[cfg.model.dtype]
+    kv_dim = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    weight = BYTES[cfg.model.dtype]
+    ref_weight = BYTES[cfg.model.ref_dtype or cfg.model.dtype]
+    autocast = (mixed_precision or cfg.trainer.mixed_precision or "no") in ("bf16", "fp16")
+    compute = 2 if autocast else weight  # activations and logits
+    ref_compute = 2 if autocast else ref_weight
+    # Keys leave the rotary embedding in its cos/sin's dtype, the embedding's (float32 under autocast over
+    # float32 weights); values come from v_proj in the compute dtype, and stay so where the installed
+    # transformers' cache keeps each one's dtype (5.2x; 5.17 makes the values the keys' dtype).
+    key_bytes = 4 if weight == 4 else weight
+    value_bytes = compute if cache_keeps_value_dtype() else key_bytes
     actor = num_parameters(shape)
     critic = num_parameters(shape) + h + 1 if core_algos.needs_critic(cfg.algorithm.adv_estimator) else 0
-    tokens = cfg.data.max_prompt_length + cfg.data.max_response_length
-    rows = cfg.data.max_response_length + 1  # logits kept per response (train.py's response_logits)
-    rollout_batch = cfg.data.train_batch_size * cfg.rollout.n
-    full_loss = cfg.actor.use_kl_loss and kl.needs_logits(cfg.actor.kl_loss_type)
-    micro = cfg.actor.ppo_micro_batch_size
+    need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.trainer.log_kl_panel
+    shards = num_processes if sharding == "fsdp" else 1
+    prompt = prompt_tokens or cfg.data.max_prompt_length
+    tokens = prompt + cfg.data.max_response_length
+    rows = cfg.data.max_response_length + 1  # logits kept per response (rlhf.step.response_logits)
+    batch = cfg.data.train_batch_size * cfg.rollout.n // num_processes  # this process's responses
+    micro = min(cfg.actor.ppo_micro_batch_size, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // num_processes)
+    log_micro = min(cfg.rollout.log_prob_micro_batch_size, batch)
+    layer_params = (actor - v * h - h) / layers
+
+    def chunk(num_rows):  # rows of a float32 chunk (core_algos._row_chunks)
+        return min(LOGITS_CHUNK_ROWS, num_rows)
+
+    val_batch = min(cfg.data.val_batch_size, -(-(cfg.data.max_val_samples or NUM_HELD_OUT) // num_processes))
+
+    def kv_cache(num_sequences, num_tokens):
+        return layers * num_sequences * num_tokens * kv_dim * (key_bytes + value_bytes)
+
+    def float32_chunks(num_rows, count):  # `count` float32 chunks of at most LOGITS_CHUNK_ROWS rows
+        return count * min(LOGITS_CHUNK_ROWS, num_rows) * v * 4
+
+    def decoding_step(num_sequences):  # the last position's logits, the sampler's float32 copy, noise, two logs, sum
+        return num_sequences * v * (compute + 4 * 4)
+
+    full_kl_loss = cfg.actor.use_kl_loss and kl.needs_logits(cfg.actor.kl_loss_type)
     out = {
-        "actor weights": actor * weight_bytes,
-        "actor gradients": actor * weight_bytes,
-        "actor AdamW states": 2 * actor * 4,
-        "critic weights": critic * weight_bytes,
-        "critic gradients": critic * weight_bytes,
-        "critic AdamW states": 2 * critic * 4,
-        "reference": num_parameters(shape) * BYTES[cfg.model.ref_dtype or cfg.model.dtype],
-        "bf16 copy of the weights in use (autocast)": actor * 2 if weight_bytes == 4 else 0,
-        "KV cache (sampling)": layers * 2 * shape["num_key_value_heads"] * head_dim * tokens * rollout_batch * 2,
-        "prefill MLP activations (sampling, transient)": rollout_batch * cfg.data.max_prompt_length * mlp * 3 * 2,
-        "logits, rollout log-prob pass": 2 * cfg.rollout.log_prob_micro_batch_size * rows * v * 2,
-        "logits, update": (3 if full_loss else 2) * micro * rows * v * 2 + LOGITS_CHUNK_ROWS * v * 4,
-        "activations, update (estimate)": micro * tokens * h * (layers * 4 + 16 * 2) + micro * tokens * mlp * 3 * 2,
+        "actor weights": actor * weight / shards,
+        "actor AdamW moments": 2 * actor * weight / shards,
+        "critic weights": critic * weight / shards,
+        "critic AdamW moments": 2 * critic * weight / shards,
+        "reference": actor * ref_weight if need_ref else 0,
+        "gradients (update)": (actor + critic) * weight / shards,
+        "DDP gradient buckets (update)": (actor + critic) * weight if sharding == "ddp" else 0,
+        # one decoder layer's weights gathered whole for its forward (and its gradient before the reduce-scatter)
+        "FSDP2 gathered layer": 2 * layer_params * weight if sharding == "fsdp" else 0,
+        "autocast copy of the weights (bf16)": actor * 2 if autocast and weight == 4 else 0,
+        "KV cache (sampling)": kv_cache(batch, tokens),
+        "prompts' KV cache (sampling)": kv_cache(batch, prompt),
+        "prefill MLP (sampling)": 3 * batch * prompt * mlp * compute,
+        "decoding step (sampling)": decoding_step(batch),
+        # the actor's and the reference's logits alive together; the contiguous copy core_algos._row_chunks makes
+        # of the (B, R, V) slice of the (B, R + 1, V) logits; the chunk divided by the temperature and
+        # logsumexp's two temporaries
+        "logits, log-prob pass": log_micro * rows * v * (compute + ref_compute),
+        "logits' flat copy and float32 chunks, log-prob pass": (log_micro * (rows - 1) * v * ref_compute
+                                                                 + float32_chunks(log_micro * (rows - 1), 3)),
+        # kl.full_kl (the panel's kl/full and kl/full_forward, or a `full` KL in the reward): flat copies of both
+        # logits, and some 8 float32 temporaries of its 256-row chunks
+        "exact KL's flat copies and chunks, log-prob pass": (
+            log_micro * (rows - 1) * v * (compute + ref_compute) + 8 * min(256, log_micro * (rows - 1)) * v * 4
+            if plan_step(cfg, cfg.trainer.mixed_precision or "no").rollout_full_kl else 0),
+        "logits, update": micro * rows * v * compute,
+        # what logsumexp keeps for the backward: every chunk's float32 input, so the whole micro-batch's
+        "float32 logits kept for the backward": micro * (rows - 1) * v * 4,
+        # actor/entropy (under no_grad, chunked): the flat copy, and the chunk's division, log_softmax, exp, product
+        "entropy's flat copy and float32 chunks, update": (micro * (rows - 1) * v * compute
+                                                            + float32_chunks(micro * (rows - 1), 4)),
+        # a `full` KL loss: the reference's logits, and the flat copies of both that kl.full_kl keeps for its backward
+        "reference logits, `full` KL loss": (micro * rows * v * ref_compute
+                                              + micro * (rows - 1) * v * (compute + ref_compute) if full_kl_loss else 0),
+        "layer activations kept, update": (micro * tokens * h * 4 * layers + _layer_activations(micro, tokens, h, kv_dim, mlp, compute)
+                                           if cfg.model.gradient_checkpointing
+                                           else layers * _layer_activations(micro, tokens, h, kv_dim, mlp, compute)),
+        "KV cache (evaluation)": kv_cache(val_batch, tokens),
+        "prompts' KV cache (evaluation)": kv_cache(val_batch, prompt),
+        "decoding step (evaluation)": decoding_step(val_batch),
     }
     out = {key: value / GIB for key, value in out.items()}
-    out["static"] = sum(v for k, v in out.items() if k.startswith(("actor", "critic", "reference")))
-    prompt_share = cfg.data.max_prompt_length / tokens  # of the KV cache, when the prefill runs
-    sampling = max(out["KV cache (sampling)"], out["KV cache (sampling)"] * prompt_share
-                   + out["prefill MLP activations (sampling, transient)"])
-    update = out["logits, update"] + out["activations, update (estimate)"]
-    out["peak"] = (out["static"] + out["bf16 copy of the weights in use (autocast)"]
-                   + max(sampling, out["logits, rollout log-prob pass"], update))
+    gathered = out["FSDP2 gathered layer"]
+    out["static"] = sum(out[k] for k in ("actor weights", "actor AdamW moments", "critic weights",
+                                         "critic AdamW moments", "reference"))
+    held = out["static"] + out["autocast copy of the weights (bf16)"] + gathered
+    out["sampling"] = held + max(out["prompts' KV cache (sampling)"] + out["prefill MLP (sampling)"],
+                                 out["prompts' KV cache (sampling)"] + out["KV cache (sampling)"],
+                                 out["KV cache (sampling)"] + out["decoding step (sampling)"])
+    out["log-prob pass"] = held + out["logits, log-prob pass"] + max(
+        out["logits' flat copy and float32 chunks, log-prob pass"], out["exact KL's flat copies and chunks, log-prob pass"])
+    out["update"] = (held + out["gradients (update)"] + out["DDP gradient buckets (update)"] + out["logits, update"]
+                     + out["float32 logits kept for the backward"] + out["entropy's flat copy and float32 chunks, update"]
+                     + out["reference logits, `full` KL loss"] + out["layer activations kept, update"])
+    out["optimizer step"] = out["static"] + out["gradients (update)"] + out["DDP gradient buckets (update)"]
+    out["evaluation"] = held + max(out["prompts' KV cache (evaluation)"] + out["KV cache (evaluation)"],
+                                   out["KV cache (evaluation)"] + out["decoding step (evaluation)"])
+    out["peak"] = max(out[phase] for phase in PHASES)
     return out
 
 
+def _layer_activations(micro: int, tokens: int, h: int, kv_dim: int, mlp: int, compute: int) -> float:
+    """Bytes one decoder layer keeps for its backward: the residual input and two norms' outputs (float32 and the
+    compute dtype), q, k, v and their rotated copies, the attention output, and the MLP's gate, up, activation and
+    product."""
+    return micro * tokens * ((3 * h + 2 * kv_dim) * 4 + (4 * h + 2 * kv_dim) * compute + 4 * mlp * compute)
+
+
 def table(columns: dict[str, dict[str, float]]) -> str:
-    """Markdown: one row per kind of tensor, one column per setting; rows that are 0 in every column (the
-    critic's, without one) are left out."""
+    """Markdown: one row per kind of tensor and per phase, one column per setting; rows that are 0 in every
+    column are left out."""
     keys = [key for key in next(iter(columns.values())) if any(col[key] for col in columns.values())]
+    keys = [k for k in keys if k not in (*PHASES, "peak")] + [*PHASES, "peak"]
     lines = ["| GiB per GPU | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for key in keys:
-        name = f"**{key}**" if key in ("static", "peak") else key
+        name = f"**{key}**" if key in ("static", "peak") else (f"*{key}*" if key in PHASES else key)
         lines.append(f"| {name} | " + " | ".join(f"{col[key]:.2f}" for col in columns.values()) + " |")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def usable_gib(card_gb: int) -> float:
+    """What a card sold as `card_gb` GB holds, in GiB, less RESERVED_GIB."""
+    return card_gb * 1e9 / GIB - RESERVED_GIB
+
+
+def fitting_overrides(recipe: str, card_gb: int, sharding: str, processes: int,
+                      prompt_tokens: int = GSM8K_PROMPT_TOKENS) -> list[str] | None:
+    """The largest micro-batch sizes (actor.ppo_micro_batch_size dividing a process's mini-batch share,
+    rollout.log_prob_micro_batch_size a power of two) and the fewest evaluation batches (data.val_batch_size)
+    whose computed peak fits the card; gradient checkpointing off where the update then still fits with a
+    micro-batch of 8 or more (80 GB and larger). None if nothing fits."""
+    base = load_config(RECIPES[recipe])
+    share = base.actor.ppo_mini_batch_size * base.rollout.n // processes
+    micros = [m for m in range(share, 0, -1) if share % m == 0]
+    fits = lambda overrides, phase: memory(load_config(RECIPES[recipe], overrides), num_processes=processes,  # noqa: E731
+                                           sharding=sharding, prompt_tokens=prompt_tokens)[phase] <= usable_gib(card_gb)
+    for checkpointing in ((False, True) if card_gb >= 80 else (True,)):
+        flag = [f"model.gradient_checkpointing={str(checkpointing).lower()}"]
+        micro = next((m for m in micros if fits([*flag, f"actor.ppo_micro_batch_size={m}"], "update")), None)
+        if micro is None or (not checkpointing and micro < 8):
+            continue
+        chosen = [*flag, f"actor.ppo_micro_batch_size={micro}"]
+        log_micro = next((m for m in (64, 32, 16, 8, 4, 2, 1)
+                          if fits([*chosen, f"rollout.log_prob_micro_batch_size={m}"], "log-prob pass")), None)
+        share_held_out = -(-NUM_HELD_OUT // processes)
+        val = next((-(-share_held_out // k) for k in range(1, share_held_out + 1)
+                    if fits([*chosen, f"data.val_batch_size={-(-share_held_out // k)}"], "evaluation")), None)
+        if log_micro is None or val is None or not fits([*chosen, f"rollout.log_prob_micro_batch_size={log_micro}"],
+                                                         "sampling"):
+            return None
+        return [*chosen, f"rollout.log_prob_micro_batch_size={log_micro}", f"data.val_batch_size={val}"]
+    return None
+
+
+def recipe_columns(recipe: str, prompt_tokens: int = GSM8K_PROMPT_TOKENS) -> dict[str, dict[str, float]]:
+    """One column per card of CARDS: the recipe with the micro-batch sizes that fit it (fitting_overrides); a
+    card nothing fits on gets a column of the recipe's own sizes, marked as not fitting."""
+    columns = {}
+    for label, card_gb, sharding, processes in CARDS:
+        overrides = fitting_overrides(recipe, card_gb, sharding, processes, prompt_tokens)
+        cfg = load_config(RECIPES[recipe], overrides or [])
+        settings = (f"micro {cfg.actor.ppo_micro_batch_size}, log-prob micro {cfg.rollout.log_prob_micro_batch_size}, "
+                    f"eval batch {cfg.data.val_batch_size}"
+                    + ("" if cfg.model.gradient_checkpointing else ", no checkpointing"))
+        name = f"{label}: {settings}" if overrides else f"{label}: does not fit ({settings})"
+        columns[name] = memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens)
+    return columns
+
+
+# ----------------------------------------------------------------------------- --validate
+
+
+# Reduced shapes: Qwen2.5-0.5B's proportions (MLP ~5.4x the width, 7 query heads per KV head) at a smaller width,
+# vocabulary and batch, so that a case runs in tens of seconds on a 2-core CPU in float32.
+VALIDATION_SHAPE = dict(hidden_size=320, intermediate_size=1728, num_hidden_layers=4, num_attention_heads=5,
+                        num_key_value_heads=1, vocab_size=24_576, tie_word_embeddings=True)
+VALIDATION_CASES = {
+    "ppo": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=32",
+            "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4", "rollout.log_prob_micro_batch_size=8"],
+    "ppo, no checkpointing": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=32",
+                              "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4",
+                              "rollout.log_prob_micro_batch_size=8", "model.gradient_checkpointing=false"],
+    "grpo": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=8",
+             "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=10", "rollout.log_prob_micro_batch_size=20"],
+}
+MEASURED_PHASES = {"sampling": ("gen",), "log-prob pass": ("old_log_prob", "ref", "values"),
+                   "update": ("update_actor", "update_critic"), "optimizer step": ("update_step",)}
+
+
+def validation_config(case: str, model_dir: str, out_dir: str) -> Config:
+    recipe = GRPO_RECIPE if case.startswith("grpo") else RECIPE
+    return load_config(recipe, [*VALIDATION_CASES[case], f"model.path={model_dir}", "model.ref_dtype=float32",
+                                "trainer.mixed_precision=no", "trainer.logger=none", f"trainer.output_dir={out_dir}",
+                                "rollout.ignore_eos=true", "data.val_batch_size=8"])
+
+
+def _status_kb(field: str) -> int:
+    import re
+
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def measure_case(case: str) -> dict[str, float]:
+    """In this (fresh) process: the peak tensor memory of each phase of the second of two steps of `case`, GiB:
+    the peak resident set during the phase (VmHWM, reset through /proc/self/clear_refs as the phase starts) less
+    the process's overhead (its resident set before the step less the tensors it holds then: parameters and
+    AdamW moments)."""
+    import tempfile
+
+    import torch
+    from accelerate import Accelerator
+    from datasets import Dataset
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlhf.embedded import generate_problems, train_tokenizer
+    from rlhf.models import load_tokenizer
+    from rlhf.setup import build_setup, load_models
+    from rlhf.tracking import Timer
+    from rlhf.step import plan_step, train_step
+
+    torch.set_num_threads(1)
+    peaks: dict[str, int] = {}
+
+    class PhaseMemory(Timer):
+        def __call__(self, name):
+            timer = super().__call__(name)
+
+            class Phase:
+                def __enter__(self):
+                    with open("/proc/self/clear_refs", "w") as f:
+                        f.write("5")  # VmHWM := VmRSS
+                    return timer.__enter__()
+
+                def __exit__(self, *exc):
+                    peaks[name] = max(peaks.get(name, 0), _status_kb("VmHWM") * 1024)
+                    return timer.__exit__(*exc)
+
+            return Phase()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        problems = generate_problems(64, seed=0)
+        tokenizer = train_tokenizer([p["question"] + " " + p["answer"] for p in problems], vocab_size=500)
+        config = Qwen2Config(**VALIDATION_SHAPE, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tokenizer = load_tokenizer(tmp)
+        cfg = validation_config(case, tmp, os.path.join(tmp, "run"))
+        prompt = cfg.data.max_prompt_length
+        rows = {"input_ids": [[3 + (7 * i + j) % 400 for j in range(prompt)] for i in range(cfg.data.train_batch_size)],
+                "ground_truth": ["1"] * cfg.data.train_batch_size}
+        accelerator = Accelerator(mixed_precision="no")
+        run = build_setup(cfg, accelerator, tokenizer, Dataset.from_dict(rows), None, *load_models(cfg, tmp))
+        plan = plan_step(cfg, accelerator.mixed_precision)
+        train_step(cfg, plan, accelerator, run, 1, Timer())  # the first: AdamW's moments, lazy set-up
+        models = [m for m in run.models if m is not None]
+        held = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
+        held += sum(t.numel() * t.element_size() for opt in run.optimizers if opt is not None
+                    for state in opt.optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+        overhead = _status_kb("VmRSS") * 1024 - held
+        train_step(cfg, plan, accelerator, run, 2, PhaseMemory())
+    return {phase: (max(peaks.get(n, 0) for n in names) - overhead) / GIB for phase, names in MEASURED_PHASES.items()
+            if any(n in peaks for n in names)}
+
+
+def validate() -> int:
+    """Measure every case in a fresh process and print the model's error per phase; 1 if any is over 15%."""
+    import tempfile
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    worst = 0.0
+    print("| case | phase | measured GiB | computed GiB | error | above static: measured / computed |")
+    print("|---|---|---|---|---|---|")
+    for case in VALIDATION_CASES:
+        measured = json.loads(subprocess.run([sys.executable, __file__, "--measure", case], env=env, check=True,
+                                             capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        with tempfile.TemporaryDirectory() as tmp:
+            computed = memory(validation_config(case, tmp, tmp), shape=VALIDATION_SHAPE, mixed_precision="no")
+        for phase, value in measured.items():
+            error = computed[phase] / value - 1
+            worst = max(worst, abs(error))
+            print(f"| {case} | {phase} | {value:.3f} | {computed[phase]:.3f} | {error:+.1%} | "
+                  f"{value - computed['static']:.3f} / {computed[phase] - computed['static']:.3f} |", flush=True)
+    print(f"largest error: {worst:.1%} ({'within' if worst <= 0.15 else 'OVER'} 15%)")
+    return 0 if worst <= 0.15 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="ppo",
                         help="ppo: configs/gsm8k_qwen2.5_0.5b.yaml; grpo: configs/gsm8k_qwen2.5_0.5b_grpo.yaml")
+    parser.add_argument("--validate", action="store_true", help="compare with peaks measured on this CPU")
+    parser.add_argument("--measure", choices=sorted(VALIDATION_CASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    path, cards = RECIPES[args.recipe]
-    columns = {}
-    for card, overrides in cards.items():
-        cfg = load_config(path, overrides)
-        label = (f"{card} GB card: micro {cfg.actor.ppo_micro_batch_size}, "
-                 f"log-prob micro {cfg.rollout.log_prob_micro_batch_size}")
-        columns[label] = memory(cfg)
+    if args.measure:
+        print(json.dumps(measure_case(args.measure)))
+        return 0
+    if args.validate:
+        return validate()
     print(f"Qwen2.5-0.5B: {num_parameters() / 1e6:.1f}M parameters (tied embeddings); "
-          f"{path.removeprefix(REPO + os.sep)}, one GPU or DDP\n")
-    print(table(columns))
+          f"{RECIPES[args.recipe].removeprefix(REPO + os.sep)}, prompts of {GSM8K_PROMPT_TOKENS} tokens; a card holds "
+          f"its GB less {RESERVED_GIB:.0f} GiB (CUDA context, allocator slack)\n")
+    print(table(recipe_columns(args.recipe)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

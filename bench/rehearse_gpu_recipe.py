@@ -139,7 +139,7 @@ def make_data(path: str, tokenizer, num_rows: int, seed: int) -> list[int]:
 def recipe_path(name: str) -> str:
     """The config file --recipe names: a recipe of bench/recipe_memory.RECIPES, or a path."""
     if name in recipe_memory.RECIPES:
-        return recipe_memory.RECIPES[name][0]
+        return recipe_memory.RECIPES[name]
     if not os.path.isfile(name):
         sys.exit(f"--recipe {name!r} is neither a recipe ({', '.join(sorted(recipe_memory.RECIPES))}) nor a config file")
     return os.path.abspath(name)

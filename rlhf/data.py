@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
-
-import datasets
+from typing import TYPE_CHECKING
 
 from rlhf.rewards.gsm8k import INSTRUCTION, extract_ground_truth  # INSTRUCTION: the default data.instruction
 
+
+if TYPE_CHECKING:  # annotations only: `datasets` is imported where data is loaded, so that building prompts
+    import datasets  # (build_prompt) works where it is not installed (bench/gpu_check.py on a bare CUDA image)
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
 _MAX_NAMED = 5  # bad rows named in an error message; the count is always given
@@ -141,6 +143,8 @@ def load_gsm8k(source: str, split: str, subset: str = "main",
     ValueError naming the first bad rows if any row lacks a question or a parseable `#### N` answer. `keys`
     names the question and answer columns (data.question_key, data.answer_key), renamed question and answer.
     """
+    import datasets
+
     if _is_local(source):
         check_data_file(source, keys)  # clear messages (missing file, bad line) before `datasets` sees it
         builder = "parquet" if source.endswith(".parquet") else "json"
@@ -165,6 +169,8 @@ def tokenize_prompts(dataset: datasets.Dataset, tokenizer, max_prompt_length: in
     truncated question is a different problem with the same reference answer. The prompts are build_prompt's
     with `instruction` and `system_prompt` (data.instruction, data.system_prompt).
     """
+    import datasets
+
     prompts = [build_prompt(tokenizer, q, instruction, system_prompt) for q in dataset["question"]]
     # A chat template already writes every special token (e.g. Llama's BOS); adding them again would
     # double them. Plain-text prompts get the tokenizer's usual specials.

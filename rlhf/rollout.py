@@ -14,6 +14,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from rlhf import decode
 from rlhf.core_algos import logprobs_from_logits
 
 
@@ -139,9 +140,9 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
              return_logprobs: bool = False) -> Sequences:
     """Sample (or greedily decode) one response per left-padded prompt: the prompts and responses as `Sequences`.
 
-    A plain decoding loop over the model's KV cache, the same passes as `model.generate` (greedy output is
-    identical, see tests/test_rollout.py) without its per-token machinery, which costs ~10% of the
-    sampling time of a small model. A sequence ends at the first of its stop_token_ids (every EOS id of the
+    Our own decoding loop over a KV cache (`_decode`: rlhf.decode's static cache where it applies), the same
+    passes as `model.generate` (greedy output is identical, see tests/test_rollout.py) without its per-token
+    machinery. A sequence ends at the first of its stop_token_ids (every EOS id of the
     model's generation config, and the tokenizer's); generation stops when every sequence has ended or after
     max_new_tokens;
     `all_finished((B,) bool finished) -> bool` may widen "every sequence" to other processes' too;
@@ -158,7 +159,7 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     # half-precision copies of the weights from one token to the next, so every token casts every weight
     # again (at Qwen2.5-0.5B's width on CPU: 0.21 s per token against 0.11 s under no_grad).
     lighter = not isinstance(model, FSDPModule) and not torch.is_autocast_enabled(prompt_ids.device.type)
-    with torch.inference_mode() if lighter else torch.no_grad():
+    with torch.inference_mode() if lighter else torch.no_grad(), decode.cache_kept(model):
         response_ids, logprobs = _decode(model, prompt_ids, prompt_mask, params, eos, tokenizer.pad_token_id,
                                          all_finished or torch.all, generator, return_logprobs)
     response_ids = response_ids.clone()
@@ -178,9 +179,15 @@ def kv_cache_name(model) -> str:
 
 
 def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: tuple[int, ...] | None, pad_token_id: int,
-            all_finished, generator=None, keep_logprobs: bool = False):
+            all_finished, generator=None, keep_logprobs: bool = False, reference: bool = False):
     """(B, max_new_tokens) sampled tokens, pad after a sequence's EOS and for every sequence once all have
-    stopped; and with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at the temperature, else None."""
+    stopped; and with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at the temperature, else None.
+    rlhf.decode's static-cache loop where it applies (the same tokens and log-probs, tests/test_decode.py), else
+    this one, a forward pass of the model per token; `reference` runs this one always."""
+    if not reference and all_finished is torch.all and decode.supports(model):
+        return decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens,
+                             lambda logits: next_token(logits, params, generator), params.temperature, eos,
+                             pad_token_id, generator, keep_logprobs)
     batch_size, prompt_width = prompt_ids.shape
     # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, params.max_new_tokens)], dim=1)

@@ -29,12 +29,18 @@ def pytest_configure(config):
                                        "launches); run only when selected with -m (python -m pytest -q -m slow)")
 
 
+    config.addinivalue_line("markers", "cuda: tests that need a CUDA device (tests/test_cuda.py); run only when "
+                                       "selected with -m cuda, as bench/gpu_check.py does on a GPU machine")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `slow` run only when a -m expression names them (`-m slow`); otherwise they are
-    deselected (reported as such, not skipped), so `python -m pytest -q` stays fast."""
-    if "slow" in (config.getoption("markexpr") or ""):
-        return
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    """Tests marked `slow` or `cuda` run only when a -m expression names their marker (`-m slow`, `-m cuda`);
+    otherwise they are deselected (reported as such, not skipped), so `python -m pytest -q` stays fast and runs
+    on a machine without a GPU."""
+    for marker in ("slow", "cuda"):
+        if marker in (config.getoption("markexpr") or ""):
+            continue
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        if marked:
+            config.hook.pytest_deselected(items=marked)
+            items[:] = [item for item in items if not item.get_closest_marker(marker)]

@@ -49,7 +49,7 @@ def test_load_gsm8k_hub_name_goes_through_load_dataset(monkeypatch):
         calls.append((args, kwargs))
         return datasets.Dataset.from_list(ROWS)
 
-    monkeypatch.setattr(data.datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     ds = load_gsm8k("openai/gsm8k", "test", subset="socratic")
     assert calls == [(("openai/gsm8k", "socratic"), {"split": "test"})]
     assert ds["ground_truth"] == ["7", "2400", "-3"]
@@ -58,7 +58,7 @@ def test_load_gsm8k_hub_name_goes_through_load_dataset(monkeypatch):
 def test_load_gsm8k_names_bad_rows(tmp_path, monkeypatch):
     rows = [dict(r) for r in ROWS] + [{"question": "Q?", "answer": "no marker"}, {"question": "", "answer": "#### 1"}]
     # Past the early file check, the loaded dataset itself is validated too (the hub path has no file).
-    monkeypatch.setattr(data.datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_list(rows))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_list(rows))
     with pytest.raises(ValueError, match=r"2 of 5 rows .*indices: 3, 4\)"):
         load_gsm8k("openai/gsm8k", "train")
     path = tmp_path / "bad.jsonl"

@@ -47,8 +47,10 @@ def test_stop_together_decodes_until_every_process_has_stopped():
     shards = [left_pad([[13]], 0), left_pad([[3, 4, 5, 6, 7]], 0)]
 
     def decode(shard, all_finished):
-        forwards, mine = [], copy.deepcopy(model)  # one model per process, each counting its forward passes
-        mine.register_forward_hook(lambda *args: forwards.append(1))
+        # One model per process, each counting its decoding steps: the calls of its output layer, one per token
+        # whether the reference loop runs the whole model or rlhf.decode's step runs its layers.
+        forwards, mine = [], copy.deepcopy(model)
+        mine.get_output_embeddings().register_forward_hook(lambda *args: forwards.append(1))
         return generate(mine, tokenizer, *shard, params, all_finished=all_finished).response_ids, len(forwards)
 
     alone = [decode(shard, None) for shard in shards]

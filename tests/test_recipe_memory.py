@@ -32,35 +32,115 @@ def test_parameter_counts_are_the_models():
 
 
 def test_kv_cache_formula_is_the_cache_size():
-    """A small model of the same proportions, prompts + responses of the config's lengths, in bfloat16."""
+    """A small model of the same proportions, prompts + responses of the config's lengths, as the recipe runs it:
+    float32 weights under bf16 autocast, where the keys leave the rotary embedding in float32 and the values are
+    bf16 (float32 too on a transformers whose cache gives them the keys' dtype, 5.17)."""
     shape = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=96, vocab_size=128, tie_word_embeddings=True)
     cfg = load_config(recipe_memory.RECIPE, ["data.max_prompt_length=6", "data.max_response_length=4",
                                             "data.train_batch_size=5", "actor.ppo_mini_batch_size=5",
                                             "actor.ppo_micro_batch_size=5"])
-    model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).eval()
+    model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
     cache = DynamicCache()
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.ones(5, 10, dtype=torch.long), **{kv_cache_name(model): cache}, use_cache=True)
+    assert cache.layers[0].keys.dtype == torch.float32
+    assert (cache.layers[0].values.dtype == torch.bfloat16) == recipe_memory.cache_keeps_value_dtype()
     cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert recipe_memory.memory(cfg, shape=shape)["KV cache (sampling)"] * 2**30 == cache_bytes
 
 
 def test_the_grpo_recipe_counts_no_critic():
-    """Without a critic the static memory is the PPO recipe's less the critic's weights, gradients and AdamW
-    states (the two recipes share the model, dtypes and lengths); the KV cache holds rollout.n responses per
-    prompt."""
+    """Without a critic the static memory is the PPO recipe's less the critic's weights and AdamW moments, and
+    the gradients are the actor's alone (the two recipes share the model, dtypes and lengths); the KV cache
+    holds rollout.n responses per prompt."""
     ppo = recipe_memory.memory(load_config(recipe_memory.RECIPE, []))
     grpo_cfg = load_config(recipe_memory.GRPO_RECIPE, [])
     grpo = recipe_memory.memory(grpo_cfg)
-    critic_rows = ("critic weights", "critic gradients", "critic AdamW states")
+    critic_rows = ("critic weights", "critic AdamW moments")
     assert all(grpo[key] == 0 for key in critic_rows) and all(ppo[key] > 0 for key in critic_rows)
     assert grpo["static"] == pytest.approx(ppo["static"] - sum(ppo[key] for key in critic_rows))
+    assert grpo["gradients (update)"] == pytest.approx(ppo["actor weights"])
     per_response = ppo["KV cache (sampling)"] / 256  # the PPO recipe: 256 prompts x 1 response
     assert grpo["KV cache (sampling)"] == pytest.approx(per_response * grpo_cfg.data.train_batch_size * grpo_cfg.rollout.n)
     printed = subprocess.run([sys.executable, os.path.join(REPO, "bench", "recipe_memory.py"), "--recipe", "grpo"],
                              capture_output=True, text=True, check=True).stdout
     assert "| actor weights |" in printed and "critic" not in printed
+
+
+def test_sharding_divides_the_trained_models_and_ddp_adds_its_buckets():
+    """FSDP2 over 2 processes halves the actor's and critic's weights, moments and gradients (the reference stays
+    whole) and adds one gathered layer; DDP keeps everything and adds a gradient-sized bucket copy; both halve the
+    sampling batch."""
+    cfg = load_config(recipe_memory.RECIPE, [])
+    one = recipe_memory.memory(cfg)
+    fsdp = recipe_memory.memory(cfg, num_processes=2, sharding="fsdp")
+    ddp = recipe_memory.memory(cfg, num_processes=2, sharding="ddp")
+    for key in ("actor weights", "actor AdamW moments", "critic weights", "gradients (update)"):
+        assert fsdp[key] == pytest.approx(one[key] / 2) and ddp[key] == one[key]
+    assert fsdp["reference"] == one["reference"] and 0 < fsdp["FSDP2 gathered layer"] < one["actor weights"] / 10
+    assert ddp["DDP gradient buckets (update)"] == one["gradients (update)"]
+    assert fsdp["KV cache (sampling)"] == ddp["KV cache (sampling)"] == pytest.approx(one["KV cache (sampling)"] / 2)
+    with pytest.raises(ValueError, match="choose from none, ddp, fsdp"):
+        recipe_memory.memory(cfg, sharding="zero3")
+
+
+def test_the_update_grows_with_the_micro_batch_and_checkpointing_keeps_less():
+    """What autograd keeps is proportional to the micro-batch: the float32 logits (the whole micro-batch's,
+    through logsumexp) and the activations; without checkpointing every layer's activations stay."""
+    def update(*overrides):
+        return recipe_memory.memory(load_config(recipe_memory.RECIPE, list(overrides)))
+
+    small, large = update("actor.ppo_micro_batch_size=2"), update("actor.ppo_micro_batch_size=8")
+    assert large["float32 logits kept for the backward"] == pytest.approx(4 * small["float32 logits kept for the backward"])
+    assert large["update"] > small["update"]
+    off = update("actor.ppo_micro_batch_size=2", "model.gradient_checkpointing=false")
+    assert off["layer activations kept, update"] > 5 * small["layer activations kept, update"]
+
+
+@pytest.mark.parametrize("recipe", ["ppo", "grpo"])
+def test_each_card_s_sizes_fit_it_and_the_next_larger_micro_batch_does_not(recipe):
+    """fitting_overrides: the chosen sizes' computed peak fits the card (its GB less the allowance); the next
+    larger micro-batch that divides the mini-batch share does not fit the update, unless the chosen one is the
+    whole share."""
+    path = recipe_memory.RECIPES[recipe]
+    for _, card_gb, sharding, processes in recipe_memory.CARDS:
+        overrides = recipe_memory.fitting_overrides(recipe, card_gb, sharding, processes)
+        if overrides is None:
+            assert (recipe, card_gb, sharding) == ("ppo", 24, "ddp")  # docs/gpu.md: PPO under DDP does not fit 24 GB
+            continue
+        usable = recipe_memory.usable_gib(card_gb)
+        cfg = load_config(path, overrides)
+        computed = recipe_memory.memory(cfg, num_processes=processes, sharding=sharding,
+                                        prompt_tokens=recipe_memory.GSM8K_PROMPT_TOKENS)
+        assert computed["peak"] <= usable
+        share = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // processes
+        larger = [m for m in range(cfg.actor.ppo_micro_batch_size + 1, share + 1) if share % m == 0]
+        if larger:
+            bigger = load_config(path, [*overrides, f"actor.ppo_micro_batch_size={larger[0]}"])
+            assert recipe_memory.memory(bigger, num_processes=processes, sharding=sharding,
+                                        prompt_tokens=recipe_memory.GSM8K_PROMPT_TOKENS)["update"] > usable
+
+
+def test_the_recipes_ship_the_24_gb_one_gpu_sizes():
+    """The configs' micro-batches, evaluation batch and checkpointing are the model's 24 GB, one-GPU column."""
+    for recipe, path in recipe_memory.RECIPES.items():
+        overrides = recipe_memory.fitting_overrides(recipe, 24, "none", 1)
+        shipped, fitted = load_config(path), load_config(path, overrides)
+        assert shipped.actor.ppo_micro_batch_size == fitted.actor.ppo_micro_batch_size
+        assert shipped.rollout.log_prob_micro_batch_size == fitted.rollout.log_prob_micro_batch_size
+        assert shipped.data.val_batch_size == fitted.data.val_batch_size
+        assert shipped.model.gradient_checkpointing == fitted.model.gradient_checkpointing
+
+
+@pytest.mark.slow
+def test_validation_against_measured_peaks():
+    """bench/recipe_memory.py --validate: every phase's computed peak within 15% of the one measured on this CPU
+    (about 6 minutes on the project's 2-core machine)."""
+    done = subprocess.run([sys.executable, os.path.join(REPO, "bench", "recipe_memory.py"), "--validate"],
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "within 15%" in done.stdout
 
 
 @pytest.mark.parametrize("recipe", ["ppo", "grpo"])

@@ -1,0 +1,243 @@
+"""The sampler's decoding loop over a static KV cache, without a host synchronisation per token.
+
+    tokens, logprobs = decode(model, prompt_ids, prompt_mask, max_new_tokens, pick, temperature, stop_ids,
+                              pad_token_id, generator, keep_logprobs)
+
+`rlhf.rollout` hands its loop here for the models `supports` accepts (Qwen2 and Llama causal LMs, the embedded
+default's and the recipes' kind, unsharded, with transformers' SDPA attention), and keeps its own loop, which
+calls `model(...)` for every token, as the reference and for everything else (FSDP2-sharded models, other
+architectures). The two give the same tokens and the same log-probs under the same noise
+(tests/test_decode.py); what differs is how a token's forward pass is run:
+
+- the prompts' forward pass is the model's own (so the first token is computed exactly as before); its keys and
+  values are copied once into a static cache of (B, KV heads, prompt + max_new_tokens, head dim) per layer, in
+  the dtypes the model's own cache gave them (under bf16 autocast, float32 keys: the rotary embedding's float32
+  cos/sin promote them; bf16 values on transformers 5.25, float32 on 5.17);
+- each later token runs the decoder layers' own modules (norms, projections, MLP, the rotary embedding) in the
+  order transformers' forward runs them, without its per-token set-up (the 4D mask, the cache object, the output
+  record): the new key and value are written into the cache in place, and attention reads the cache as it is,
+  the grouped query heads folded into the query length ((B, heads, 1, D) -> (B, KV heads, heads / KV heads, D):
+  no copy of the cache per KV head; transformers 5.25's own `pack_gqa`, the same kernel);
+- whether every sequence has stopped is read on the host every `STOP_CHECK_EVERY` tokens, not after each one
+  (on a GPU each read waits for the queued work). The tokens drawn past the stop are pads, as in the reference,
+  and the noise they drew is given back: the random state is rewound to where the reference loop leaves it, so
+  the next use of the generator (or of the global random state) draws what it would have drawn.
+
+`cache_kept(model)`, around both loops in rlhf.rollout.generate, keeps layers that checkpoint their activations
+from dropping the cache while decoding (transformers before 5.2x drops it in such layers even without gradients).
+
+`compiled=True` runs the one-token step through `torch.compile` over full-length (static-shape) attention with a
+mask; on CUDA in "reduce-overhead" mode, which replays it as a CUDA graph. Its tokens agree with the eager
+step's up to float rounding, not bit for bit (the attention reads the whole cache). The trainer uses the eager
+step; bench/gpu_check.py measures both on a GPU, and bench/decode_speed.py on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from rlhf.core_algos import logprobs_from_logits
+
+ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")  # the decoder-layer structure `_step` runs
+STOP_CHECK_EVERY = 8  # tokens between two host reads of "has every sequence stopped?"
+
+
+def unsupported(model) -> str | None:
+    """Why `decode` cannot run `model` (None when it can): another architecture, FSDP2-sharded weights (each
+    layer's forward gathers them; the step calls the layers' parts directly), another attention implementation
+    than SDPA (the reference's numbers would differ) or sliding-window layers."""
+    if type(model).__name__ not in ARCHITECTURES:
+        return f"{type(model).__name__} is not one of {', '.join(ARCHITECTURES)}"
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "its weights are sharded (FSDP2)"
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention != "sdpa":
+        return f"its attention implementation is {attention!r}, not 'sdpa'"
+    if any(getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers):
+        return "it has sliding-window attention layers"
+    return None
+
+
+def supports(model) -> bool:
+    return unsupported(model) is None
+
+
+@contextlib.contextmanager
+def cache_kept(model):
+    """Inside the block, the layers that checkpoint their activations do not: rlhf.setup makes a layer checkpoint
+    by setting its own training flag, and transformers before 5.2x (5.17, for one) then drops the KV cache in that
+    layer even without gradients, which would leave every decoding step without its past. Decoding has no backward
+    to recompute for, so nothing is lost; the flags are set back after."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and m.training]
+    for layer in layers:
+        layer.training = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.training = True
+
+
+def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick, temperature: float,
+           stop_ids: tuple[int, ...] | None, pad_token_id: int, generator: torch.Generator | None = None,
+           keep_logprobs: bool = False, compiled: bool = False, check_every: int = STOP_CHECK_EVERY):
+    """(B, max_new_tokens) tokens, pad after a sequence's stop token and for every sequence once all have
+    stopped; with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at `temperature` (0 after the stop
+    of all), else None. `pick((B, V) logits) -> (B,) tokens` draws a token (rlhf.rollout.next_token), its noise
+    from `generator` or the global random state of the logits' device; `stop_ids` None samples every token."""
+    batch_size, prompt_width = prompt_ids.shape
+    device = prompt_ids.device
+    position_ids = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # counted over real tokens (rollout's rule)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
+                logits_to_keep=1)
+    prompt_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if prompt_cache is None or prompt_cache.get_seq_length() == 0:
+        raise RuntimeError(f"{type(model).__name__} returned no KV cache; generation needs use_cache=True "
+                           "(gradient checkpointing in train mode turns it off)")
+    cache = StaticCache(prompt_cache, prompt_width + max_new_tokens)
+    logits = out.logits[:, -1]
+    del out, prompt_cache
+    # Row i attends to its real prompt tokens and everything sampled; None where no row is padded, as
+    # transformers passes it then (SDPA without a mask).
+    padded = not bool(prompt_mask.all())
+    attend = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch_size, max_new_tokens, dtype=torch.bool)], dim=1)
+    attend = attend[:, None, None, :]  # (B, 1, 1, P + R)
+    step = Step(model, cache, attend if padded or compiled else None, compiled)
+    last_position = position_ids[:, -1]
+
+    tokens = torch.full((batch_size, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(batch_size, max_new_tokens, device=device) if keep_logprobs else None
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    stop = None if stop_ids is None else torch.tensor(stop_ids, dtype=torch.long, device=device)
+    all_stopped_at = torch.full((), -1, dtype=torch.long, device=device)  # the first t after which all had stopped
+    noise = NoiseState(generator, device)
+    window_start, saved = 0, noise.get()
+    for t in range(max_new_tokens):
+        token = pick(logits)
+        if keep_logprobs:  # of the unfiltered softmax(logits / T): what the trainer's forward pass computes
+            logprobs[:, t] = logprobs_from_logits(logits[:, None], token[:, None], temperature)[:, 0]
+        if stop is not None:
+            token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's stop token
+            finished |= torch.isin(token, stop)
+            all_stopped_at = torch.where((all_stopped_at < 0) & finished.all(), t, all_stopped_at)
+        tokens[:, t] = token
+        if t + 1 == max_new_tokens:
+            break
+        if stop is not None and (t + 1) % check_every == 0:
+            stopped_at = int(all_stopped_at)  # the host read: every check_every tokens
+            if stopped_at >= 0:
+                noise.replay(saved, stopped_at - window_start + 1, pick, logits)
+                if keep_logprobs:
+                    logprobs[:, stopped_at + 1:] = 0
+                return tokens, logprobs
+            window_start, saved = t + 1, noise.get()
+        logits = step(token, last_position + t + 1, prompt_width + t)
+    if stop is not None:
+        stopped_at = int(all_stopped_at)
+        if 0 <= stopped_at < max_new_tokens - 1:  # stopped inside the last, unchecked window
+            noise.replay(saved, stopped_at - window_start + 1, pick, logits)
+            if keep_logprobs:
+                logprobs[:, stopped_at + 1:] = 0
+    return tokens, logprobs
+
+
+class NoiseState:
+    """The random state `pick` draws from (the generator, or the device's global one), saved and rewound."""
+
+    def __init__(self, generator: torch.Generator | None, device: torch.device):
+        if generator is None:
+            generator = (torch.default_generator if device.type == "cpu"
+                         else torch.cuda.default_generators[device.index if device.index is not None
+                                                            else torch.cuda.current_device()])
+        self.generator = generator
+
+    def get(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def replay(self, state: torch.Tensor, num_draws: int, pick, logits: torch.Tensor) -> None:
+        """Rewind to `state`, then draw `num_draws` tokens' noise again (on logits of the same shape): where the
+        reference loop, which stops at once, leaves the random state."""
+        self.generator.set_state(state)
+        for _ in range(num_draws):
+            pick(torch.zeros_like(logits))
+
+
+class StaticCache:
+    """Each layer's keys and values, (B, KV heads, length, head dim), filled with the prompts' at the start."""
+
+    def __init__(self, prompt_cache, length: int):
+        layers = getattr(prompt_cache, "layers", None)
+        pairs = ([(layer.keys, layer.values) for layer in layers] if layers is not None
+                 else list(zip(prompt_cache.key_cache, prompt_cache.value_cache)))  # transformers < 4.54
+        self.keys, self.values = [], []
+        for keys, values in pairs:
+            batch_size, num_kv_heads, prompt_width, head_dim = keys.shape
+            self.keys.append(keys.new_zeros(batch_size, num_kv_heads, length, head_dim))
+            self.values.append(values.new_zeros(batch_size, num_kv_heads, length, head_dim))
+            self.keys[-1][:, :, :prompt_width] = keys
+            self.values[-1][:, :, :prompt_width] = values
+        self.length = length
+
+
+class Step:
+    """One token's forward pass over the static cache: (B,) tokens, (B,) positions, the cache slot -> (B, V)
+    logits. The layers' own modules, in transformers' order (Qwen2DecoderLayer.forward, Qwen2Attention.forward,
+    sdpa_attention_forward)."""
+
+    def __init__(self, model, cache: StaticCache, attend: torch.Tensor | None, compiled: bool):
+        self.model, self.cache, self.attend, self.compiled = model, cache, attend, compiled
+        attention = model.model.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.groups = attention.num_key_value_groups
+        self.rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        self.forward = self._forward
+        if compiled:
+            # The cache is written in place at every step: static addresses, so that a CUDA graph may own them
+            # (gpt-fast's KV cache is a module buffer for the same reason).
+            for tensor in (*cache.keys, *cache.values):
+                torch._dynamo.mark_static_address(tensor)
+            mode = "reduce-overhead" if cache.keys[0].device.type == "cuda" else None
+            self.forward = torch.compile(self._forward, mode=mode, dynamic=False)
+            self.slots = torch.arange(cache.length, device=cache.keys[0].device)
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor, slot: int) -> torch.Tensor:
+        if not self.compiled:
+            return self.forward(token, position, slot, slot + 1, self.attend)
+        # Static shapes: the slot as a tensor, attention over the whole cache, the unwritten slots masked.
+        slot = torch.full((1,), slot, device=token.device)
+        return self.forward(token, position, slot, self.cache.length, self.attend & (self.slots <= slot))
+
+    def _forward(self, token, position, slot, length: int, attend):
+        model, cache = self.model.model, self.cache
+        batch_size = token.shape[0]
+        hidden = model.embed_tokens(token[:, None])  # (B, 1, H)
+        cos, sin = model.rotary_emb(hidden, position[:, None])
+        for layer, keys, values in zip(model.layers, cache.keys, cache.values):
+            attention = layer.self_attn
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            shape = (batch_size, 1, -1, self.head_dim)
+            query = attention.q_proj(hidden).view(shape).transpose(1, 2)  # (B, heads, 1, D)
+            key = attention.k_proj(hidden).view(shape).transpose(1, 2)  # (B, KV heads, 1, D)
+            value = attention.v_proj(hidden).view(shape).transpose(1, 2)
+            query, key = self.rotate(query, key, cos, sin)
+            if self.compiled:
+                keys.index_copy_(2, slot, key)
+                values.index_copy_(2, slot, value)
+            else:
+                keys[:, :, slot] = key[:, :, 0]
+                values[:, :, slot] = value[:, :, 0]
+            # The grouped heads as the query length: (B, KV heads, groups, D) against the cache as it is.
+            query = query.reshape(batch_size, -1, self.groups, self.head_dim)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, keys[:, :, :length], values[:, :, :length],
+                attn_mask=None if attend is None else attend[..., :length], scale=attention.scaling)
+            out = out.reshape(batch_size, -1, 1, self.head_dim).transpose(1, 2).contiguous()
+            hidden = residual + attention.o_proj(out.reshape(batch_size, 1, -1).contiguous())
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(model.norm(hidden))[:, -1]

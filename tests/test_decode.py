@@ -1,0 +1,173 @@
+"""The static-cache decoder (rlhf.decode) against the reference loop (rlhf.rollout._decode with reference=True):
+the same tokens, the same log-probs and the same random state afterwards, under the same noise."""
+
+import pytest
+import torch
+from helpers import tiny_qwen2
+
+from rlhf import decode
+from rlhf.rollout import SamplingParams, _decode, generate, left_pad, paired_noise_generator
+
+EOS, PAD = 1, 0
+
+
+def both(model, prompt_ids, prompt_mask, params, stop_ids, seeded: str, autocast: bool = False):
+    """{reference, static}: (tokens, log-probs, 3 draws of the noise source made after the decoding)."""
+    out = {}
+    for side in ("reference", "static"):
+        generator = paired_noise_generator(7, 3, 0, "cpu") if seeded == "generator" else None
+        torch.manual_seed(11)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            tokens, logprobs = _decode(model, prompt_ids, prompt_mask, params, stop_ids, PAD, torch.all, generator,
+                                       keep_logprobs=True, reference=side == "reference")
+        out[side] = tokens, logprobs, torch.rand(3, generator=generator)
+    return out
+
+
+def assert_same(out):
+    (tokens, logprobs, after), (tokens2, logprobs2, after2) = out["reference"], out["static"]
+    assert torch.equal(tokens, tokens2)
+    assert torch.allclose(logprobs, logprobs2, rtol=0, atol=1e-6)  # the same ops: equal here, rounding elsewhere
+    assert torch.equal(after, after2)  # the noise source left where the reference loop leaves it
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=21, temperature=0.7),
+    SamplingParams(max_new_tokens=21, temperature=1.3, top_k=9, top_p=0.9),
+    SamplingParams(max_new_tokens=21, greedy=True),
+])
+@pytest.mark.parametrize("seeded", ["generator", "global"])
+@pytest.mark.parametrize("stop_ids", [(EOS,), (EOS, 5), None])
+def test_static_decoder_equals_the_reference_loop(params, seeded, stop_ids):
+    """A 64-token model, padded prompts of four lengths: every sampling mode, both noise sources, one or two
+    stop ids or none (ignore_eos)."""
+    model = tiny_qwen2(64, seed=1, pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=True)
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8, 9, 10], [3, 4], [11, 12, 13], [2, 3, 4, 5]] * 3, PAD)
+    assert_same(both(model, prompt_ids, prompt_mask, params, stop_ids, seeded))
+
+
+def test_static_decoder_stops_and_rewinds_the_noise_as_the_reference_does():
+    """A 6-token model stops early (EOS is one token in six): every row ends before max_new_tokens at many
+    different steps, inside a checked window and inside the last, unchecked one; each time the tokens, the
+    log-probs and the global random state after decoding equal the reference's."""
+    model = tiny_qwen2(6, seed=1, pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=True)
+    prompt_ids, prompt_mask = left_pad([[5, 4, 3], [2], [3, 4]], PAD)
+    stopped_at = set()
+    for seed in range(12):
+        for max_new_tokens in (13, 30):
+            params = SamplingParams(max_new_tokens=max_new_tokens)
+            out = {}
+            for side in ("reference", "static"):
+                torch.manual_seed(seed)
+                with torch.inference_mode():
+                    tokens, logprobs = _decode(model, prompt_ids, prompt_mask, params, (EOS,), PAD, torch.all,
+                                               keep_logprobs=True, reference=side == "reference")
+                out[side] = tokens, logprobs, torch.rand(3)
+            assert_same(out)
+            length = int((out["reference"][0] != PAD).sum(dim=1).max())
+            if length < max_new_tokens:
+                stopped_at.add((length - 1) // decode.STOP_CHECK_EVERY)
+    assert {0, 1} <= stopped_at  # stops in the first and second window of STOP_CHECK_EVERY tokens
+
+
+def test_static_decoder_equals_the_reference_loop_under_bf16_autocast():
+    """Under autocast the cache holds what the model gave it (float32 keys after the rotary embedding)."""
+    model = tiny_qwen2(64, seed=3, pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=True)
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7], [3, 4, 9, 9, 9], [11]], PAD)
+    assert_same(both(model, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=12), (EOS,), "generator",
+                     autocast=True))
+
+
+def test_unpadded_prompts_decode_the_same():
+    """Prompts of one length: no attention mask at all, as transformers passes none."""
+    model = tiny_qwen2(64, seed=4, pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=True)
+    prompt_ids = torch.randint(2, 64, (5, 7), generator=torch.Generator().manual_seed(0))
+    assert_same(both(model, prompt_ids, torch.ones_like(prompt_ids), SamplingParams(max_new_tokens=10), (EOS,),
+                     "global"))
+
+
+def forward_calls(model, **kwargs) -> int:
+    """How many times `generate` calls the model's own forward."""
+    calls = [0]
+    handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    tokenizer = type("Tok", (), {"pad_token_id": PAD, "eos_token_id": EOS})
+    prompt_ids, prompt_mask = left_pad([[5, 6], [7]], PAD)
+    try:
+        generate(model, tokenizer, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=9, ignore_eos=True), **kwargs)
+    finally:
+        handle.remove()
+    return calls[0]
+
+
+def test_generate_uses_the_static_decoder_where_it_applies():
+    """Supported: one forward of the model (the prompts'), the later tokens through rlhf.decode's step. Not
+    supported (eager attention), or a stop rule of several processes: the reference loop, a forward per token."""
+    model = tiny_qwen2(64, seed=1, pad_token_id=PAD, eos_token_id=EOS)
+    assert decode.unsupported(model) is None
+    assert forward_calls(model) == 1
+    assert forward_calls(model, all_finished=lambda finished: bool(finished.all())) == 9
+    eager = tiny_qwen2(64, seed=1, pad_token_id=PAD, eos_token_id=EOS, attn_implementation="eager")
+    assert "'eager'" in decode.unsupported(eager)
+    assert forward_calls(eager) == 9
+
+
+def test_other_architectures_are_named_as_unsupported():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    assert "GPT2LMHeadModel is not one of Qwen2ForCausalLM, LlamaForCausalLM" == decode.unsupported(model)
+
+
+def test_llama_decodes_the_same():
+    """Llama's layers (SmolLM2's kind: no q/k/v bias, its own rotary module) through the same step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=PAD,
+                                         eos_token_id=EOS, bos_token_id=None, max_position_embeddings=128)).eval()
+    assert decode.unsupported(model) is None
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8], [3, 4], [11, 12, 13]], PAD)
+    assert_same(both(model, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=15), (EOS,), "generator"))
+
+
+@pytest.mark.slow
+def test_compiled_step_agrees_with_the_reference_loop():
+    """torch.compile's step (static shapes: attention over the whole cache, masked) on the CPU: ~30 s to compile
+    on the project's 2-core machine. Greedy tokens equal; log-probs equal up to float rounding (the attention's
+    reductions run over more, masked, positions)."""
+    from rlhf.rollout import next_token
+
+    model = tiny_qwen2(64, seed=1, pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=True)
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8, 9, 10], [3, 4], [11, 12, 13]], PAD)
+    params = SamplingParams(max_new_tokens=20, greedy=True)
+    with torch.inference_mode():
+        tokens, logprobs = _decode(model, prompt_ids, prompt_mask, params, (EOS,), PAD, torch.all, keep_logprobs=True,
+                                   reference=True)
+        compiled, compiled_logprobs = decode.decode(model, prompt_ids, prompt_mask, 20, lambda l: next_token(l, params),
+                                                    1.0, (EOS,), PAD, keep_logprobs=True, compiled=True)
+    assert torch.equal(tokens, compiled)
+    assert torch.allclose(logprobs, compiled_logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("reference", [True, False])
+def test_gradient_checkpointing_leaves_decoding_unchanged(reference):
+    """rlhf.setup checkpoints layers by setting their own training flag; transformers before 5.2x then drops the
+    KV cache in those layers even without gradients (5.17 does), which would leave the decoding without its past.
+    generate turns the flag off while it decodes: the same tokens as the model without checkpointing."""
+    import copy
+
+    from rlhf.setup import enable_gradient_checkpointing
+
+    # an untied, large-init model (tests/test_rollout.py's greedy one), whose tokens depend on their context
+    model = tiny_qwen2(64, seed=2, pad_token_id=PAD, tie_word_embeddings=False, initializer_range=0.5)
+    checkpointed = copy.deepcopy(model)
+    enable_gradient_checkpointing(checkpointed)
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8], [3, 4], [11, 12, 13]], PAD)
+    tokenizer = type("Tok", (), {"pad_token_id": PAD, "eos_token_id": EOS})
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    rule = (lambda finished: bool(finished.all())) if reference else None  # a custom rule takes the reference loop
+    plain = generate(model, tokenizer, prompt_ids, prompt_mask, params, all_finished=rule).response_ids
+    ours = generate(checkpointed, tokenizer, prompt_ids, prompt_mask, params, all_finished=rule).response_ids
+    assert torch.equal(plain, ours)
+    assert all(layer.training for layer in checkpointed.model.layers)  # the flag is back for the update

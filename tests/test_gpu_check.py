@@ -1,0 +1,86 @@
+"""bench/gpu_check.py at toy size on the CPU: every part runs and writes what docs/gpu.md says to read, so the
+script a GPU machine runs cannot rot; and without a GPU or a package it stops at once, naming what to bring."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+from helpers import REPO
+
+SCRIPT = os.path.join(REPO, "bench", "gpu_check.py")
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+
+def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, SCRIPT, "--toy", "--device", "cpu", "--out", str(tmp_path),
+                           "--prepared", str(tmp_path / "nothing")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.log"]
+    with open(tmp_path / "gpu_check.json") as f:
+        report = json.load(f)
+    parts = report["parts"]
+    assert list(parts) == list(gpu_check.PARTS) and all(p["status"] == "ok" for p in parts.values()), parts
+    assert report["finished"] and report["prompts"]["rows"] > 1000
+    assert set(parts["embedded_default"]["accuracy_by_step"]) == {"0", "2"}
+    loops = {(run["loop"], run["batch"]) for run in parts["decode_sweep"]["runs"]}
+    assert {("static", 1), ("static", 16), ("reference", 4)} <= loops
+    assert all(run["tokens_per_s"] > 0 for run in parts["decode_sweep"]["runs"])
+    for recipe, responses in (("ppo", 4), ("grpo", 20)):
+        steps = parts["recipes"][recipe]["steps"]
+        assert len(steps) == 2 and parts["recipes"][recipe]["responses"] == responses
+        assert parts["recipes"][recipe]["mixed_precision"] == "bf16"  # the recipe's own, after the embedded default's none
+        assert all(set(step["phases"]) == {"sampling", "log-probs", "update"} for step in steps)
+        assert all(phase["seconds"] > 0 for step in steps for phase in step["phases"].values())
+    sweep = parts["memory_sweep"]["sweep"]
+    assert [entry["micro_batch"] for entry in sweep] == [1, 2, 4]
+    assert sweep[0]["computed_update_gib"] < sweep[-1]["computed_update_gib"]  # more rows of logits kept
+    assert parts["checkpoint"]["gib"] > 0 and parts["checkpoint"]["seconds_to_write"] > 0
+
+
+def test_parts_past_the_budget_are_skipped_and_said_so(tmp_path):
+    done = subprocess.run([sys.executable, SCRIPT, "--toy", "--device", "cpu", "--out", str(tmp_path), "--budget", "0",
+                           "--parts", "cuda_tests", "checkpoint"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(tmp_path / "gpu_check.json") as f:
+        parts = json.load(f)["parts"]
+    assert {name: part["status"] for name, part in parts.items()} == {"cuda_tests": "skipped", "checkpoint": "skipped"}
+    assert "skipped (over the budget): cuda_tests, checkpoint" in done.stdout
+
+
+def test_without_a_gpu_it_says_so_and_stops_at_once(tmp_path):
+    done = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "no CUDA device" in done.stderr and "--toy --device cpu" in done.stderr
+    assert not os.listdir(tmp_path)  # nothing run, nothing written
+
+
+def test_a_missing_package_is_named_with_how_to_bring_it(monkeypatch):
+    class Args:
+        toy, device, real, prepared = True, "cpu", False, "/nonexistent"
+
+    monkeypatch.setattr(gpu_check, "NEEDED", (*gpu_check.NEEDED, "no_such_package_here"))
+    message = gpu_check.preflight(Args)
+    assert "missing package(s): no_such_package_here" in message
+    assert "prepare_gpu_check.py --packages no_such_package_here" in message
+
+
+def test_unprepared_files_are_named(tmp_path):
+    class Args:
+        toy, device, real, prepared = False, "cpu", False, str(tmp_path)
+
+    assert "run python bench/prepare_gpu_check.py" in gpu_check.preflight(Args)
+
+
+def test_the_core_imports_neither_datasets_nor_wandb():
+    """What a bare CUDA image lacks is imported only where it is used: the trainer, the prompts and the decoder
+    load without `datasets` or `wandb`."""
+    code = ("import sys, train, rlhf.data, rlhf.decode, rlhf.held_out; "
+            "print(sorted(m for m in ('datasets', 'wandb') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert done.stdout.strip() == "[]"
