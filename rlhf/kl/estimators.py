@@ -19,7 +19,7 @@ from rlhf.registry import Registry, unknown_name_error
 
 Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# The exact KL over the vocabulary (exact.full_kl) is an estimator name too, for the config and kl_per_token;
+# The exact KL over the vocabulary (exact.full_kl) is an estimator name too, for the config and parse_estimator;
 # it is computed from both models' logits, not from sampled log-probs, so kl_penalty refuses it.
 FULL = "full"
 
