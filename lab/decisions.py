@@ -3,25 +3,28 @@
     python -m lab.decisions --predict                     # the prediction, from the warm start's own states
     python -m lab.decisions --out outputs/decisions       # the runs (configs/sweeps/decisions.yaml), the report
     python -m lab.decisions --report-only --out outputs/decisions   # the report from the runs' files
+    python -m lab.decisions --pg sampled --n 8 --steps 80 --out outputs/decisions-sampled   # the trainer's way
 
 The embedded default's warm start is trained on its habit's decision token and nothing else. A state is a
 habit-prone training problem with the right reasoning lines fed in up to the decision token
 (lab.habit.decision_contexts, as decision_probabilities builds them); stratum A holds states where the warm
 start gives the right token at most 0.04, stratum B at least 0.2, 16 each (the first in the training split).
-Each step samples n = 8 tokens per state from the policy at the decision, rewards 1 for the right token and 0
-for any other, takes RLOO advantages (the trainer's rlhf.core_algos.group_outcome_advantages) and makes exactly
-one Adam update on the batch (on-policy), the learning rate decaying linearly to 0. The KL is one of RUNS,
-each computed by the trainer's module (rlhf.kl): k1 in the reward, k3, k3+ or full in the loss, or k3 in the
-loss importance-weighted by pi / sg(pi) (kl_penalty's old_logprob, rho in the graph: "corrected k3").
+The reward is 1 for the right token and 0 for any other. A `Regime` says how each step trains: the policy
+gradient exact (summed over the vocabulary) or sampled (RLOO over n tokens drawn per state, the trainer's
+rlhf.core_algos.group_outcome_advantages); a KL loss sampled (its mean over the n tokens, as the trainer) or in
+expectation over the vocabulary; one Adam update on the batch (on-policy), the learning rate decaying linearly
+to 0; which strata are trained (the others only measured). The KL is one of RUNS, each computed by the
+trainer's module (rlhf.kl): k1 in the reward, k3, k3+ or full in the loss. (k3 corrected for off-policy
+samples is k3+ on these exactly on-policy batches, bit for bit, so it is no run of its own.)
 
 At every logged step and at the end, at every state and over the whole vocabulary: KL(pi || ref), KL(ref || pi),
-the habit's and the right token's probabilities (`exact_metrics`), kept per stratum.
+the habit's and the right token's probabilities (`exact_metrics`), kept per state.
 
 The prediction (`predict_states`): with a 0/1 reward both optima keep the reference's ratios within each reward
 class, so each state's limit is fixed by its right-token probability alone: the reverse-KL optimum (k1 in the
-reward; k3+, full and corrected k3 in the loss) tilts it by e^(1/beta), the forward-KL optimum (k3 in the loss)
-is the exact solver's fixed point on (habit, right, rest) (lab.theory.fixed_points, clamp included), and no KL
-goes to the right token. This module is the lab's; the trainer never imports it.
+reward; k3+ and full in the loss) tilts it by e^(1/beta), the forward-KL optimum (k3 in the loss) is the exact
+solver's fixed point on (habit, right, rest) (lab.theory.fixed_points, clamp included), and no KL goes to the
+right token. This module is the lab's; the trainer never imports it.
 """
 
 from __future__ import annotations
