@@ -52,6 +52,12 @@ KL = ("sampled", "expected")  # a KL loss: its mean over the N samples, or its e
 METRICS = ("habit", "right", "reverse_kl", "forward_kl")
 
 
+def check_modes(pg: str, kl: str) -> None:
+    """ValueError naming the valid choices unless `pg` is one of PG and `kl` one of KL."""
+    if pg not in PG or kl not in KL:
+        raise ValueError(f"unknown policy gradient {pg!r} or KL {kl!r}; valid: {', '.join(PG)} and {', '.join(KL)}")
+
+
 @dataclass
 class States:
     """The decision states: right-padded contexts (S, L), their lengths (S,), the habit's and the right token's
@@ -62,6 +68,12 @@ class States:
     habit: torch.Tensor
     right: torch.Tensor
     strata: list[str]
+
+    def of_strata(self, names) -> States:
+        """The states of the strata `names`, in order."""
+        keep = torch.tensor([name in names for name in self.strata])
+        return States(self.input_ids[keep], self.lengths[keep], self.habit[keep], self.right[keep],
+                      [name for name in self.strata if name in names])
 
 
 def stratum_of(right_probability: float) -> str | None:
@@ -125,8 +137,7 @@ def loss_terms(logits: torch.Tensor, ref_logits: torch.Tensor, states: States, r
     loss gradient exactly (its clamps included)."""
     if run not in RUNS:
         raise ValueError(f"unknown run {run!r}; valid: {', '.join(RUNS)}")
-    if pg not in PG or kl not in KL:
-        raise ValueError(f"unknown policy gradient {pg!r} or KL {kl!r}; valid: {', '.join(PG)} and {', '.join(KL)}")
+    check_modes(pg, kl)
     logprobs = torch.log_softmax(logits / temperature, -1)
     ref_logprobs = torch.log_softmax(ref_logits / temperature, -1)
     tokens = torch.multinomial(logprobs.detach().exp(), n, replacement=True, generator=generator)  # (S, n)
@@ -169,9 +180,7 @@ class Regime:
     train_strata: tuple[str, ...] = tuple(STRATA)
 
     def __post_init__(self):
-        if self.pg not in PG or self.kl not in KL:
-            raise ValueError(f"unknown policy gradient {self.pg!r} or KL {self.kl!r}; valid: {', '.join(PG)} and "
-                             f"{', '.join(KL)}")
+        check_modes(self.pg, self.kl)
         if not self.train_strata or set(self.train_strata) - set(STRATA):
             raise ValueError(f"train strata {self.train_strata}; valid: a non-empty subset of {', '.join(STRATA)}")
 
@@ -187,8 +196,7 @@ def train(model, states: States, ref_logits: torch.Tensor, run: str, beta: float
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / regime.steps)
     history: dict = {"steps": [], **{key: [] for key in METRICS}}
     trained = torch.tensor([name in regime.train_strata for name in states.strata])
-    trained_states = States(*(field[trained] for field in (states.input_ids, states.lengths, states.habit,
-                                                           states.right)), [s for s in states.strata if s in regime.train_strata])
+    trained_states = states.of_strata(regime.train_strata)
 
     def log(step, logits):
         history["steps"].append(step)
@@ -437,7 +445,8 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed; its defaults are the documented grid (configs/sweeps/decisions.yaml's)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--predict", action="store_true", help="print the prediction only (no training)")
@@ -456,7 +465,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="train on these strata's states only (the others are measured, not trained on)")
     parser.add_argument("--out", default="outputs/decisions")
     parser.add_argument("--report-only", action="store_true", help="the report from --out's decisions*.json")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments(argv)
     import transformers
 
     transformers.logging.disable_progress_bar()

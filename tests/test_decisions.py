@@ -203,9 +203,8 @@ def test_the_limits_keep_the_references_ratios_within_the_zero_class():
     assert torch.allclose(reverse, tilted / tilted.sum(-1, keepdim=True))
 
 
-def test_the_sweep_runs_the_default_regime(monkeypatch):
+def test_the_sweep_runs_the_default_regime():
     """configs/sweeps/decisions.yaml and `python -m lab.decisions` (its defaults) run the same grid."""
-    import argparse
     import os
 
     import yaml
@@ -215,14 +214,6 @@ def test_the_sweep_runs_the_default_regime(monkeypatch):
     default = decisions.Regime()
     regime = {key: getattr(default, key) for key in ("pg", "kl", "n", "steps", "lr")}
     assert {key: params[key]["value"] for key in regime} == regime
-    parse, parsed = argparse.ArgumentParser.parse_args, {}
-
-    def parse_and_stop(self, argv=None, namespace=None):
-        parsed.update(vars(parse(self, argv, namespace)))
-        raise SystemExit(0)
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
-    with pytest.raises(SystemExit):
-        decisions.main([])
+    parsed = vars(decisions.arguments([]))
     assert parsed["seeds"] == params["seeds"]["values"] and sorted(parsed["beta"]) == sorted(params["beta"]["values"])
     assert {key: parsed[key] for key in regime} == regime
