@@ -45,7 +45,7 @@ import subprocess
 import sys
 
 from rlhf import core_algos, kl
-from rlhf.step import plan_step
+from rlhf.step import rollout_full_kl
 from rlhf.config import Config, load_config
 from rlhf.core_algos import LOGITS_CHUNK_ROWS
 
@@ -166,7 +166,7 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
         # logits, and some 8 float32 temporaries of its 256-row chunks
         "exact KL's flat copies and chunks, log-prob pass": (
             log_micro * (rows - 1) * v * (compute + ref_compute) + 8 * min(256, log_micro * (rows - 1)) * v * 4
-            if plan_step(cfg, cfg.trainer.mixed_precision or "no").rollout_full_kl else 0),
+            if rollout_full_kl(cfg) else 0),
         "logits, update": micro * rows * v * compute,
         # what logsumexp keeps for the backward: every chunk's float32 input, so the whole micro-batch's
         "float32 logits kept for the backward": micro * (rows - 1) * v * 4,

@@ -60,8 +60,14 @@ def plan_step(cfg: Config, mixed_precision: str) -> Plan:
     keep = cfg.rollout.logprobs_from_sampler
     keep = keep if keep is not None else cfg.model.dtype == "float32" and mixed_precision == "no"
     return Plan(reward_estimator, kl.parse_estimator(ac.kl_loss_type) if ac.use_kl_loss else None,
-                old_logprobs_from(cfg, keep), keep,
-                cfg.trainer.log_kl_panel or bool(reward_estimator and reward_estimator.needs_logits))
+                old_logprobs_from(cfg, keep), keep, rollout_full_kl(cfg))
+
+
+def rollout_full_kl(cfg: Config) -> bool:
+    """Whether the rollout computes the exact KL from both models' logits: for the KL panel, or for a `full` KL in
+    the reward (then the actor's logits are needed before the update, and its forward pass runs)."""
+    a = cfg.algorithm
+    return cfg.trainer.log_kl_panel or (a.use_kl_in_reward and kl.parse_estimator(a.kl_penalty).needs_logits)
 
 
 def old_logprobs_from(cfg: Config, sampler_logprobs: bool = False) -> OldLogprobsFrom:
@@ -73,8 +79,7 @@ def old_logprobs_from(cfg: Config, sampler_logprobs: bool = False) -> OldLogprob
     ratio needs the rollout's weights), unless the sampler's serve. Otherwise "update": one epoch of one
     mini-batch steps once, after every micro-batch's forward at the rollout's weights: the ratio is exactly 1."""
     a, ac = cfg.algorithm, cfg.actor
-    needs_logits = a.use_kl_in_reward and kl.parse_estimator(a.kl_penalty).needs_logits
-    if ac.recompute_old_logprobs == "always" or cfg.trainer.log_kl_panel or needs_logits:
+    if ac.recompute_old_logprobs == "always" or rollout_full_kl(cfg):
         return "forward"
     on_policy = ac.ppo_epochs == 1 and ac.ppo_mini_batch_size == cfg.data.train_batch_size
     if on_policy and not a.use_kl_in_reward:
