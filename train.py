@@ -30,11 +30,12 @@ import time
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from rlhf import export, held_out, rewards
-from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, bad_steps_message, check_resumable,
-                             latest_checkpoint, save_checkpoint)
+from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, adapters_only, bad_steps_message,
+                             check_resumable, latest_checkpoint, save_checkpoint)
 from rlhf.labels import kl_tags
 from rlhf.config import Config, ConfigError, check_batch_sizes, load_config, to_dict, warnings_for
 from rlhf.processes import launch_warnings
@@ -59,7 +60,7 @@ def main(cfg: Config) -> dict[str, float]:
         resume_dir = latest_checkpoint(out_dir)
         accelerator.print(f"resume_from=auto: {resume_dir or 'no checkpoint found, starting fresh'}")
     if resume_dir:
-        check_resumable(resume_dir, cfg.algorithm.adv_estimator)  # before any model loads
+        check_resumable(resume_dir, cfg.algorithm.adv_estimator, cfg.model.lora.rank)  # before any model loads
     if accelerator.is_main_process:
         os.makedirs(out_dir, exist_ok=True)
         resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False)
@@ -73,8 +74,10 @@ def main(cfg: Config) -> dict[str, float]:
     accelerator.register_for_checkpointing(state)
     for scheduler in (s for s in run.lr_schedulers if s is not None):  # after state: it stays custom_checkpoint_0
         accelerator.register_for_checkpointing(scheduler)
+    if cfg.model.lora.rank:  # checkpoints hold the adapters and their optimizer states, not the frozen base
+        adapters_only(accelerator)
     if resume_dir:
-        accelerator.load_state(resume_dir)
+        accelerator.load_state(resume_dir, strict=not cfg.model.lora.rank)  # LoRA: adapters_only checks the names
         run.prompt_order.load_state_dict(state.prompt_order)
         run.kl_ctrl.load_state_dict(state.kl_ctrl)
         accelerator.print(f"resumed from {resume_dir} at step {state.step}")
@@ -89,7 +92,7 @@ def main(cfg: Config) -> dict[str, float]:
     def checkpoint(step: int) -> str:
         state.step, state.prompt_order, state.kl_ctrl = step, run.prompt_order.state_dict(), run.kl_ctrl.state_dict()
         path = save_checkpoint(accelerator, out_dir, step, cfg.trainer.max_ckpt_to_keep,
-                               info={"adv_estimator": cfg.algorithm.adv_estimator})
+                               info={"adv_estimator": cfg.algorithm.adv_estimator, "lora_rank": cfg.model.lora.rank})
         if cfg.trainer.save_model_with_checkpoints:  # <checkpoint>/model, for from_pretrained (rlhf/export.py)
             export.save_model(accelerator, run, cfg, export.model_dir(path))
         return path
@@ -211,6 +214,12 @@ def start_accelerator(cfg: Config) -> Accelerator:
         raise ConfigError(f"{launched} processes were launched (WORLD_SIZE={launched}) but accelerate set up "
                           f"{accelerator.num_processes}: start them with `accelerate launch` (or torchrun), "
                           "which sets RANK, LOCAL_RANK and MASTER_ADDR for each process.")
+    if cfg.model.lora.rank and accelerator.distributed_type == DistributedType.FSDP:
+        raise ConfigError(f"model.lora.rank={cfg.model.lora.rank} under FSDP2 is not supported: FSDP2's sharded "
+                          "checkpoints would hold the whole frozen base, and the reference (the policy with its "
+                          "adapters off) and the merged export are tested only with unsharded weights. A LoRA run's "
+                          "optimizer states are a few MB, so data parallel fits where FSDP2 was needed for full fine-"
+                          "tuning: launch with --multi_gpu or configs/accelerate/ddp.yaml.")
     check_batch_sizes(cfg, num_processes=accelerator.num_processes)  # load_config checked the rest
     if cfg.trainer.logger == "wandb" and not wandb_available():
         accelerator.print("warning: wandb is not installed; logging to metrics.jsonl only.")

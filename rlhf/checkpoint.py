@@ -153,14 +153,54 @@ def tied_weights_stored_once(models):
         yield
 
 
-def check_resumable(path: str, adv_estimator: str) -> None:
+def adapters_only(accelerator) -> None:
+    """Make a LoRA run's checkpoints hold what it trains, not the frozen base: save_state writes each model's
+    trainable parameters only (the adapters, a critic's value head; rlhf.lora.adapter_names), with their optimizer
+    states as always; load_state (which must then be called with strict=False) first checks that each saved model
+    holds exactly those names, so that nothing trained is silently left unloaded. The base weights come from the
+    model path at every start, as they did at the first."""
+    from rlhf.lora import adapter_names
+
+    def keep_trainable(models, weights, output_dir):
+        for model, state in zip(models, weights):
+            keep = adapter_names(model)
+            for name in [n for n in state if n not in keep]:
+                del state[name]
+
+    def check_saved(models, input_dir):
+        from safetensors import safe_open
+
+        for i, model in enumerate(models):
+            path = os.path.join(input_dir, "model.safetensors" if i == 0 else f"model_{i}.safetensors")
+            with safe_open(path, "pt") as f:
+                saved = set(f.keys())
+            want = adapter_names(model)
+            if saved != want:
+                more = sorted(saved ^ want)[:3]
+                raise ConfigError(f"checkpoint {input_dir} does not hold this LoRA run's trainable weights (model {i}: "
+                                  f"{len(saved)} saved, {len(want)} trained; differing: {', '.join(more)}): it was "
+                                  "written with other model.lora settings. Resume with the settings it was written "
+                                  "with, or start fresh in another trainer.output_dir.")
+
+    accelerator.register_save_state_pre_hook(keep_trainable)
+    accelerator.register_load_state_pre_hook(check_saved)
+
+
+def check_resumable(path: str, adv_estimator: str, lora_rank: int = 0) -> None:
     """Refuse a checkpoint written by a run with another advantage estimator (its models differ: a critic or
-    not), naming both, before accelerate tries to load it. Checkpoints without run_info.json pass."""
+    not) or another LoRA rank (0: full weights), naming both, before accelerate tries to load it. Checkpoints
+    without run_info.json pass."""
     info_path = os.path.join(path, RUN_INFO)
     if not os.path.exists(info_path):
         return
     with open(info_path) as f:
-        saved = json.load(f).get("adv_estimator")
+        info = json.load(f)
+    saved_rank = info.get("lora_rank", 0)
+    if saved_rank != lora_rank:
+        raise ConfigError(f"checkpoint {path} was written by a run with model.lora.rank={saved_rank}, and this run "
+                          f"has model.lora.rank={lora_rank}: a run resumes only with the weights it trains (0: all of "
+                          f"them). Set model.lora.rank={saved_rank}, or start fresh in another trainer.output_dir.")
+    saved = info.get("adv_estimator")
     if saved is not None and saved != adv_estimator:
         raise ConfigError(f"checkpoint {path} was written by a run with algorithm.adv_estimator={saved}, and this "
                           f"run has algorithm.adv_estimator={adv_estimator}: a run resumes only with the estimator "

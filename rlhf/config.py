@@ -29,6 +29,18 @@ from rlhf.rewards.gsm8k import INSTRUCTION
 from rlhf.schema import _build, _check_key, _coerce
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # Qwen2's and Llama's
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # LoRA rank r of the adapters (PEFT); 0 = off: every weight trains (docs/training.md#lora)
+    alpha: float = 16.0  # LoRA alpha: the adapters' update is scaled by alpha / rank
+    dropout: float = 0.0  # must be 0: the reference is the policy with its adapters off, and the log-probs come from eval mode (docs/kl.md#lora)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # the linear layers that get adapters (by name: every module whose name ends so)
+    critic: bool = False  # adapters on the critic's backbone too (its value head still trains fully); false = the critic trains every weight
+
+
 @dataclass
 class ModelConfig:
     path: str = "embedded"  # "embedded" (the tiny local model, built and warm-started here), a hub name or a local path; a task that builds its own model (lab.synthetic's) does not read it
@@ -36,6 +48,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16: actor/critic weights (keep float32 and use mixed precision to train in bf16)
     ref_dtype: str | None = None  # the frozen reference's weights; None = same as dtype
     gradient_checkpointing: bool = False  # trade compute for memory on long responses
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -108,6 +108,7 @@ def validate(cfg) -> None:
     kc = a.kl_ctrl
     checked("algorithm.kl_ctrl", controllers.check_kl_ctrl, kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
 
+    check_lora(cfg.model)
     check_batch_sizes(cfg, num_processes=1)
     task = checked("task.name", get_task, cfg.task.name)
     task_options(cfg)  # the task's own keys and their types
@@ -122,6 +123,34 @@ def validate(cfg) -> None:
             raise ConfigError(f"config key {key!r}: local model path {path!r} does not exist "
                               "(give a directory written by save_pretrained, a hub name like "
                               "'Qwen/Qwen2.5-0.5B-Instruct', or 'embedded').")
+
+
+def check_lora(m) -> None:
+    """model.lora: a rank >= 0, and with LoRA on (rank > 0) no dropout, a positive alpha, target modules, the
+    reference in the policy's dtype, and peft installed. Whether the model has the target modules is checked once
+    its config is known, before its weights load (rlhf.lora.check_target_modules)."""
+    lora = m.lora
+    _positive("model.lora.rank", lora.rank, allow_zero=True)
+    if not lora.rank:
+        return
+    if lora.dropout != 0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout!r}: LoRA dropout must be 0. The reference is the policy "
+                          "with its adapters off, and the old, new and reference log-probs must all come from one "
+                          "deterministic function (the models run in eval mode); dropout on the adapters would make "
+                          "the policy's log-probs noisy and the KL estimates biased (docs/kl.md#lora).")
+    _positive("model.lora.alpha", lora.alpha)
+    if not lora.target_modules:
+        raise ConfigError("model.lora.target_modules is empty: name the layers that get adapters (default: q_proj, "
+                          "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).")
+    if m.ref_dtype is not None and m.ref_dtype != m.dtype:
+        raise ConfigError(f"model.ref_dtype={m.ref_dtype} with LoRA (model.lora.rank={lora.rank}): the reference is "
+                          f"the policy's own weights with the adapters off, in model.dtype={m.dtype}; leave "
+                          "model.ref_dtype unset.")
+    from rlhf.lora import INSTALL, peft_missing
+
+    if peft_missing():
+        raise ConfigError(f"model.lora.rank={lora.rank} needs the peft library, which is not installed: {INSTALL} "
+                          "(or set model.lora.rank=0 to train every weight).")
 
 
 def check_batch_sizes(cfg, num_processes: int) -> None:

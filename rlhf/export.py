@@ -37,11 +37,13 @@ import torch
 
 from rlhf.checkpoint import RUN_INFO, tied_parameter_names
 from rlhf.config import Config, ConfigError, load_config
+from rlhf.lora import is_peft, merged_state
 from rlhf.models import critic_config, load_tokenizer, resolve_dtype
 from rlhf.rollout import stop_token_ids
 
 MODEL_DIR = "model"  # <output_dir>/model, and <checkpoint>/model with trainer.save_model_with_checkpoints
 CRITIC_DIR = "critic"  # <model dir>/critic with trainer.export_critic
+ADAPTER_DIR = "adapter"  # <model dir>/adapter: a LoRA run's adapters in PEFT's format (PeftModel.from_pretrained)
 # What accelerate's save_state writes for the i-th prepared model (0: the actor, 1: the critic): one file in a
 # 1-process or DDP run, a distributed-checkpoint folder with one file per process under FSDP2.
 _WEIGHTS = ("model.safetensors", "model_1.safetensors")
@@ -67,10 +69,10 @@ def save_model(accelerator, run, cfg: Config, path: str) -> str:
     actor, critic, _ = run.models
     policy = accelerator.unwrap_model(actor)
     stop_ids = stop_token_ids(policy, run.tokenizer)
-    actor_state = accelerator.get_state_dict(actor)  # FSDP2: full, on rank 0's CPU; others get {}
+    actor_state = plain_state(accelerator.get_state_dict(actor), cfg)  # FSDP2: full, on rank 0's CPU; others get {}
     critic_part = None
     if cfg.trainer.export_critic and critic is not None:
-        critic_part = (accelerator.unwrap_model(critic).config, accelerator.get_state_dict(critic))
+        critic_part = (accelerator.unwrap_model(critic).config, plain_state(accelerator.get_state_dict(critic), cfg))
     elif cfg.trainer.export_critic:
         accelerator.print(f"trainer.export_critic: this run has no critic (algorithm.adv_estimator="
                           f"{cfg.algorithm.adv_estimator}); exporting the policy only.")
@@ -78,8 +80,20 @@ def save_model(accelerator, run, cfg: Config, path: str) -> str:
         dtype = resolve_dtype(cfg.trainer.export_dtype) if cfg.trainer.export_dtype else None
         write_model(path, policy.config, actor_state, run.tokenizer, policy.generation_config, stop_ids, dtype,
                     critic_part)
+        if is_peft(policy):  # the adapters alone, in PEFT's format, beside the merged model
+            policy.save_pretrained(os.path.join(path, ADAPTER_DIR))
+            run.tokenizer.save_pretrained(os.path.join(path, ADAPTER_DIR))
     accelerator.wait_for_everyone()
     return path
+
+
+def plain_state(state: dict, cfg: Config) -> dict:
+    """A model's state dict by transformers' names: a LoRA model's (PEFT's names) with its adapters merged into
+    the weights (rlhf.lora.merged_state), anything else as it is."""
+    lora = cfg.model.lora
+    if not any(name.startswith("base_model.model.") for name in state):
+        return state
+    return merged_state(state, lora.alpha / lora.rank)
 
 
 # ----------------------------------------------------------------------------- the one writer

@@ -16,6 +16,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from rlhf import decode
 from rlhf.core_algos import logprobs_from_logits
+from rlhf.lora import plain_model
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +152,7 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     log-prob under softmax(logits / temperature) of the logits it was sampled from, before any top-k/top-p
     filter, so the same quantity the trainer's forward pass computes (rlhf.step.logprobs_and_logits).
     """
+    model = plain_model(model)  # a LoRA policy samples through its transformers model, adapters in place
     eos = None if params.ignore_eos else stop_token_ids(model, tokenizer)
     # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here).
     # Its tensors cannot enter autograd, so the tokens are cloned into a normal tensor on the way out. Not for
