@@ -5,7 +5,8 @@
     python -m rlhf.evaluate --model Qwen/Qwen2.5-0.5B-Instruct --config configs/gsm8k_qwen2.5_0.5b.yaml
 
 `--model` (and `--baseline`) is any causal LM that transformers loads: a save_pretrained directory with its
-tokenizer (a training run's <output_dir>/model, the embedded default's warm start, a converted model from
+tokenizer (a training run's <output_dir>/model, a LoRA run's adapters <output_dir>/model/adapter, merged into
+their base model on loading, the embedded default's warm start, a converted model from
 lab.real_parts) or a hub name. The config gives everything else, as in training: the held-out data
 (data.val_files: the embedded default, a local GSM8K file, the hub), the prompts and chat template, the reward
 (reward.function and reward.correct_threshold), the response length and sampling settings; `--samples k` is
@@ -165,10 +166,14 @@ def load_checked_tokenizer(model: str, flag: str = "--model"):
     tokenizer files; ConfigError on bad input."""
     from rlhf.models import load_tokenizer
 
-    check_model_files(model, flag)
-    config, generation_config = load_model_config(model, flag)
+    base = adapter_base(model)
+    if base is not None:  # LoRA adapters: the architecture is the base model's, the tokenizer saved beside them
+        check_model_files(base, f"the base model of {flag} {model!r} (adapter_config.json's base_model_name_or_path)")
+    check_model_files(model if base is None else base, flag)
+    config, generation_config = load_model_config(model if base is None else base, flag)
+    has_tokenizer = any(os.path.exists(os.path.join(model, name)) for name in TOKENIZER_FILES)
     try:
-        tokenizer = load_tokenizer(model)
+        tokenizer = load_tokenizer(model if base is None or has_tokenizer else base)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{flag} {model!r}: its tokenizer does not load ({' '.join(str(e).split())[:300]}); save "
                           "the model's tokenizer next to it with tokenizer.save_pretrained(dir).") from None
@@ -193,11 +198,33 @@ def prepare_eval_run(cfg: Config, accelerator, tokenizer, val_source: str, flag:
     return EvalRun(tokenizer, val_set, load_reward(cfg, task.prompt_fields), task.val_metrics(cfg, val_set))
 
 
+def adapter_base(path: str) -> str | None:
+    """The base model of a directory of LoRA adapters in PEFT's format (a LoRA run's <output_dir>/model/adapter:
+    adapter_config.json's base_model_name_or_path), or None for anything else."""
+    config = os.path.join(os.path.expanduser(path), "adapter_config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"{path!r} holds LoRA adapters whose adapter_config.json names no base model "
+                          "(base_model_name_or_path); give the merged model directory beside them instead.")
+    return base
+
+
 def load_actor(cfg: Config, accelerator, run: EvalRun, model: str) -> None:
-    """Load `model` (model.dtype) onto the accelerator's device, in eval mode, as `run.models[0]`."""
+    """Load `model` (model.dtype) onto the accelerator's device, in eval mode, as `run.models[0]`; LoRA adapters
+    are loaded onto their base model and merged into it (peft)."""
     from rlhf.models import load_causal_lm
 
-    actor = accelerator.prepare_model(load_causal_lm(model, cfg.model.dtype).eval(), evaluation_mode=True)
+    base = adapter_base(model)
+    if base is None:
+        loaded = load_causal_lm(model, cfg.model.dtype)
+    else:
+        from peft import PeftModel
+
+        loaded = PeftModel.from_pretrained(load_causal_lm(base, cfg.model.dtype), model).merge_and_unload()
+    actor = accelerator.prepare_model(loaded.eval(), evaluation_mode=True)
     run.models = (accelerator.unwrap_model(actor, keep_fp32_wrapper=False),)
 
 

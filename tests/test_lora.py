@@ -1,0 +1,303 @@
+"""LoRA (model.lora, rlhf/lora.py): the reference is the base model with the adapters off, exactly; every KL
+estimator gets what a separately loaded reference gives; the static-cache decoder, the PPO and GRPO steps, resume,
+two processes, export and evaluation work with adapters; bad settings are refused early."""
+
+import json
+import os
+
+import pytest
+import torch
+from accelerate import Accelerator
+from helpers import assert_same_rows, tiny_overrides
+
+import train
+from rlhf import kl, lora
+from rlhf.config import ConfigError, load_config
+from rlhf.models import load_causal_lm
+from rlhf.rollout import SamplingParams, _decode, left_pad, paired_noise_generator
+from rlhf.setup import load_models, setup
+from rlhf.step import micro_actor_loss, plan_step, response_logits, rollout
+from rlhf.tracking import Timer, read_metrics
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PARITY_REWARD = """
+def reward(completion_ids, ground_truth, **fields):
+    return [float((sum(ids) + int(truth)) % 2 == 0) for ids, truth in zip(completion_ids, ground_truth)]
+"""
+
+
+@pytest.fixture(autouse=True)
+def parity_reward(tmp_path, monkeypatch):
+    """A reward right for about half the responses whatever the model (GSM8K's rule scores the tiny model 0), so
+    advantages, gradients and the adapters move."""
+    (tmp_path / "lora_parity_reward.py").write_text(PARITY_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def lora_overrides(artifacts, out, *extra):
+    return tiny_overrides(artifacts, out, "model.lora.rank=4", "model.lora.alpha=8",
+                          "reward.function=lora_parity_reward:reward", "trainer.logger=none", *extra)
+
+
+def train_adapters(model, seq, steps: int = 3):
+    """A few AdamW steps of the adapters (lr 0.05) on the mean log-prob of `seq`'s tokens: they move away from
+    PEFT's start (B = 0, where the adapted model is the base)."""
+    from rlhf.step import logprobs_and_logits
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(steps):
+        logprobs, _ = logprobs_and_logits(model, seq, 1.0)
+        (-logprobs.mean()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.fixture
+def lora_run(artifacts, tmp_path):
+    """(cfg, accelerator, run, a rollout batch's Sequences) of a LoRA run on the tiny model, set up in-process."""
+    cfg = load_config(None, lora_overrides(artifacts, tmp_path / "out"))
+    accelerator = Accelerator(cpu=True)
+    run = setup(cfg, accelerator)
+    rows = run.train_set[:4]
+    prompt_ids, prompt_mask = left_pad(rows["input_ids"], run.tokenizer.pad_token_id)
+    from rlhf.rollout import generate
+
+    seq = generate(run.models[0], run.tokenizer, prompt_ids, prompt_mask, SamplingParams(12),
+                   generator=torch.Generator().manual_seed(0))
+    return cfg, accelerator, run, seq
+
+
+# ----------------------------------------------------------------------------- the reference is the base, exactly
+
+
+def test_no_second_model_and_only_adapters_train(lora_run, artifacts):
+    cfg, _, run, _ = lora_run
+    actor, critic, ref = run.models
+    assert isinstance(ref, lora.Reference) and ref.policy is actor  # no reference weights of its own
+    trainable = {name for name, p in actor.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {p for group in run.optimizers[0].param_groups for p in group["params"]} == {
+        p for p in actor.parameters() if p.requires_grad}
+    assert all(p.requires_grad for p in critic.parameters())  # model.lora.critic=false: the critic trains fully
+
+
+def test_reference_logits_equal_the_base_models_bit_for_bit_before_and_after_updates(lora_run, artifacts):
+    _, _, run, seq = lora_run
+    actor, _, ref = run.models
+    base = load_causal_lm(artifacts.model_dir, "float32").eval()
+    with torch.no_grad():
+        assert torch.equal(response_logits(ref, seq), response_logits(base, seq))
+    train_adapters(actor, seq)
+    with torch.no_grad():
+        policy_before = response_logits(actor, seq)
+        ref_logits, base_logits = response_logits(ref, seq), response_logits(base, seq)
+        policy_after = response_logits(actor, seq)
+    assert not torch.allclose(policy_before, base_logits, atol=1e-3)  # the adapters moved the policy
+    assert torch.equal(ref_logits, base_logits)  # the reference did not move: adapters off is the base, bit for bit
+    assert torch.equal(policy_before, policy_after)  # and the adapters are back on after a reference forward
+    assert ref_logits.dtype == torch.float32
+
+
+def test_every_kl_estimator_in_reward_and_loss_equals_a_separate_reference(lora_run, artifacts):
+    """The rollout's reference log-probs and exact KLs, then every estimator in the reward and in the loss
+    (corrected or not, and its gradient), with the LoRA reference and with the base model loaded separately."""
+    cfg, accelerator, run, _ = lora_run
+    actor, critic, ref = run.models
+    rows = run.train_set[:4]
+    from rlhf.rollout import repeat_prompts
+
+    rows, group_ids = repeat_prompts(rows, 1)
+    # Move the adapters first (one PPO step), so that policy and reference differ and every KL is non-zero.
+    plan = plan_step(cfg, "no")
+    seq = rollout(cfg, plan, accelerator, run.models, run.tokenizer, rows, group_ids,
+                  torch.Generator().manual_seed(1), Timer()).seq
+    train_adapters(actor, seq)
+    base = load_causal_lm(artifacts.model_dir, "float32").eval().requires_grad_(False)
+    batches = {}
+    for side, reference in (("lora", ref), ("separate", base)):
+        batches[side] = rollout(cfg, plan, accelerator, (actor, critic, reference), run.tokenizer, rows, group_ids,
+                                torch.Generator().manual_seed(2), Timer())
+    a, b = batches["lora"], batches["separate"]
+    for field in ("old_logprobs", "ref_logprobs", "full_kl", "full_forward_kl"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    mask = a.seq.response_mask.bool()
+    assert (a.full_kl[mask] > 0).all()
+    num_tokens = a.seq.response_mask.sum()
+    for name in (*kl.ESTIMATOR_NAMES, "full"):  # "full+" is refused: full is exact already
+        estimator = kl.parse_estimator(name)
+        reward = {s: estimator(x.old_logprobs, x.ref_logprobs, x.full_kl) for s, x in batches.items()}
+        assert torch.equal(reward["lora"], reward["separate"]), name
+        for corrected in (False, True):
+            cfg.actor.kl_loss_off_policy_correction = corrected
+            cfg.actor.kl_loss_type, cfg.actor.use_kl_loss = name, True
+            loss_plan = plan_step(cfg, "no")
+            results = {}
+            for side, reference in (("lora", ref), ("separate", base)):
+                micro = batches[side]
+                micro.advantages = torch.ones_like(micro.old_logprobs)
+                loss, metrics, _ = micro_actor_loss(cfg, loss_plan, (actor, critic, reference), micro,
+                                                    dict(num_tokens=num_tokens, num_seqs=4, norm_len=mask.shape[1]))
+                loss.backward()
+                grads = [p.grad.clone() for p in actor.parameters() if p.requires_grad]
+                actor.zero_grad()
+                results[side] = metrics["actor/kl_loss"], grads
+            assert results["lora"][0] == results["separate"][0] and results["lora"][0] != 0, (name, corrected)
+            assert all(torch.equal(x, y) for x, y in zip(results["lora"][1], results["separate"][1])), (name, corrected)
+
+
+def test_static_cache_decoder_under_adapters_equals_the_reference_loop(lora_run):
+    _, _, run, seq = lora_run
+    actor = run.models[0]
+    train_adapters(actor, seq)
+    model = lora.plain_model(actor)
+    from rlhf import decode
+
+    assert decode.supports(model)  # the static-cache loop runs the adapted model
+    rows = run.train_set[:6]
+    prompt_ids, prompt_mask = left_pad(rows["input_ids"], run.tokenizer.pad_token_id)
+    params = SamplingParams(max_new_tokens=14, temperature=0.9)
+    out = {}
+    for side in ("reference", "static"):
+        generator = paired_noise_generator(7, 3, 0, "cpu")
+        with torch.no_grad():
+            out[side] = _decode(model, prompt_ids, prompt_mask, params, None, run.tokenizer.pad_token_id, torch.all,
+                                generator, keep_logprobs=True, reference=side == "reference")
+    assert torch.equal(out["reference"][0], out["static"][0])
+    assert torch.allclose(out["reference"][1], out["static"][1], rtol=0, atol=1e-6)
+    # The log-probs are the adapted policy's, not the base's: the trainer's forward pass of the PEFT model agrees.
+    with torch.no_grad():
+        base_logits = lora.Reference(actor)(input_ids=prompt_ids, attention_mask=prompt_mask).logits[:, -1]
+        policy_logits = actor(input_ids=prompt_ids, attention_mask=prompt_mask).logits[:, -1]
+    assert not torch.allclose(base_logits, policy_logits, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@pytest.mark.parametrize("case", [
+    ("algorithm.adv_estimator=gae", "model.lora.critic=true"),
+    ("algorithm.adv_estimator=grpo", "rollout.n=2", "actor.use_kl_loss=true", "actor.kl_loss_type=full"),
+])
+def test_ppo_and_grpo_steps_train_the_adapters_only(artifacts, tmp_path, monkeypatch, case):
+    """Micro-batches (2 per mini-batch), the KL panel, a KL in the reward or the loss: the adapters (and a LoRA
+    critic's adapters and value head) change, the frozen base does not, and the panel's KL grows from 0."""
+    models = {}
+    real_setup = train.setup
+
+    def keep(cfg, accelerator):
+        models["run"] = real_setup(cfg, accelerator)
+        models["start"] = {n: p.detach().clone() for m in models["run"].models[:2] if m is not None
+                           for n, p in m.named_parameters()}
+        return models["run"]
+
+    monkeypatch.setattr(train, "setup", keep)
+    out = tmp_path / "out"
+    train.main(load_config(None, lora_overrides(artifacts, out, "trainer.total_steps=3", *case)))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert rows[-1]["kl/full"] > 0 and rows[1]["actor/grad_norm"] > 0
+    for model in (m for m in models["run"].models[:2] if m is not None):
+        for name, p in model.named_parameters():
+            moved = not torch.equal(p, models["start"][name])
+            if ".lora_B." in name or name.endswith(("score.weight",)):
+                assert moved, name
+            elif not p.requires_grad:
+                assert not moved, name
+    assert "actor/kl_loss" in rows[-1] or "actor/reward_kl_penalty" in rows[-1]
+
+
+def test_resume_matches_the_uninterrupted_run_and_checkpoints_hold_the_adapters(artifacts, tmp_path):
+    extra = ("actor.ppo_epochs=2", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+", "model.lora.critic=true",
+             "algorithm.kl_ctrl.type=adaptive", "trainer.total_steps=4", "trainer.save_freq=1",
+             "trainer.max_ckpt_to_keep=4")
+    out = tmp_path / "ref"
+    train.main(load_config(None, lora_overrides(artifacts, out, *extra)))
+    reference = read_metrics(out / "metrics.jsonl")
+    from safetensors import safe_open
+
+    step_2 = out / "checkpoints" / "step_2"
+    for name, trained in (("model.safetensors", "lora_"), ("model_1.safetensors", ("lora_", "score."))):
+        with safe_open(str(step_2 / name), "pt") as f:
+            keys = list(f.keys())
+        assert keys and all(any(t in k for t in ((trained,) if isinstance(trained, str) else trained)) for k in keys)
+    resumed = tmp_path / "resumed"
+    import shutil
+
+    shutil.copytree(out, resumed)
+    train.main(load_config(None, lora_overrides(artifacts, resumed, *extra,
+                                                f"trainer.resume_from={resumed}/checkpoints/step_2")))
+    assert_same_rows(read_metrics(resumed / "metrics.jsonl"), reference)
+    with pytest.raises(ConfigError, match="model.lora.rank=4"):  # a LoRA checkpoint into a full run
+        train.main(load_config(None, tiny_overrides(artifacts, tmp_path / "full", "trainer.logger=none",
+                                                    f"trainer.resume_from={step_2}")))
+
+
+def test_export_is_a_plain_merged_model_with_the_adapters_beside_it(artifacts, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    models = {}
+    real_setup = train.setup
+
+    def keep(cfg, accelerator):
+        models["run"] = real_setup(cfg, accelerator)
+        return models["run"]
+
+    train.setup = keep
+    try:
+        train.main(load_config(None, lora_overrides(artifacts, out, "trainer.total_steps=3")))
+    finally:
+        train.setup = real_setup
+    actor = models["run"].models[0]
+    model_dir = out / "model"
+    assert not (model_dir / "adapter_config.json").exists()  # transformers would load it as an adapter
+    merged = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert not lora.is_peft(merged) and not any("lora" in n for n, _ in merged.named_parameters())
+    ids = torch.tensor([models["run"].train_set[0]["input_ids"]])
+    with torch.no_grad():
+        want = actor(input_ids=ids).logits
+        base = lora.Reference(actor)(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+    assert (want - base).abs().max() > 1e-3  # the adapters trained
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)  # merged: the same function, to float rounding
+    adapter = json.loads((model_dir / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8 and adapter["base_model_name_or_path"] == artifacts.model_dir
+
+    from rlhf import evaluate
+
+    report = evaluate.evaluate_models(
+        load_config(None, [f"data.val_files={artifacts.val_file}", "data.max_prompt_length=96",
+                           "data.max_response_length=8", "data.max_val_samples=4", "trainer.logger=none",
+                           f"trainer.output_dir={tmp_path / 'eval'}"]),
+        {"model": str(model_dir), "baseline": str(model_dir / "adapter")})
+    assert report["metrics"]["model"] == report["metrics"]["baseline"]  # either form, the same model
+
+
+# ----------------------------------------------------------------------------- bad settings
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.lora.rank=-1", "'model.lora.rank' must be >= 0"),
+    ("model.lora.dropout=0.05", "model.lora.dropout=0.05: LoRA dropout must be 0"),
+    ("model.lora.target_modules=[]", "model.lora.target_modules is empty"),
+    ("model.ref_dtype=bfloat16", "model.ref_dtype=bfloat16 with LoRA"),
+])
+def test_bad_settings_are_refused_at_config_check(override, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        load_config(None, ["model.lora.rank=4", override])
+    if override != "model.lora.rank=-1":
+        load_config(None, ["model.lora.rank=0", override])  # LoRA off: no LoRA check applies
+
+
+def test_lora_without_peft_names_the_install(monkeypatch):
+    monkeypatch.setattr(lora, "peft_missing", lambda: True)
+    with pytest.raises(ConfigError, match=r'pip install -e "\.\[lora\]"'):
+        load_config(None, ["model.lora.rank=4"])
+    load_config(None, ["model.lora.rank=0"])
+
+
+def test_a_target_module_the_model_lacks_is_refused_before_weights_load(artifacts, monkeypatch):
+    cfg = load_config(None, ["model.lora.rank=4", "model.lora.target_modules=[q_proj, c_attn]"])
+    monkeypatch.setattr("rlhf.setup.load_causal_lm", lambda *a: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: c_attn is not a module .* q_proj"):
+        load_models(cfg, artifacts.model_dir)
