@@ -21,7 +21,7 @@ agree. What this file leaves out, against the trainer:
   its own decoding loop: this file samples with transformers' `generate`;
 - the KL panel (every estimator logged on the same batch) and most metrics, W&B, checkpoints and resuming,
   pass@k, logged samples, the export, skipping non-finite updates, the config's checks, tasks and rewards of
-  your own.
+  your own; LoRA adapters (every weight trains here, and the reference is a second model).
 """
 
 import argparse

@@ -300,10 +300,23 @@ def export_checkpoint(checkpoint: str, out: str, config_path: str | None = None,
     parts = [("the policy", weights[0], config, "causal")]
     if critic:
         parts.append(("the critic", weights[1], critic_config(cfg.model.critic_path or path), "value"))
-    _check_fits(parts, checkpoint, config_path)
+    lora = cfg.model.lora
+    # A LoRA checkpoint holds the adapters (adapted models' trainable weights) only: their base comes from the
+    # run's model path, and write_model's rebuild checks the merged weights instead.
+    adapted = [bool(lora.rank), bool(lora.rank and lora.critic)]
+    _check_fits([part for part, lora_part in zip(parts, adapted) if not lora_part], checkpoint, config_path)
     stop_ids = stop_token_ids(SimpleNamespace(generation_config=generation_config), tokenizer)
-    critic_part = (parts[1][2], read_weights(weights[1])) if critic else None
-    write_model(out, config, read_weights(weights[0]), tokenizer, generation_config, stop_ids, dtype, critic_part)
+
+    def weights_of(i: int) -> dict:
+        if not adapted[i]:
+            return read_weights(weights[i])
+        from rlhf.models import load_causal_lm, load_critic
+
+        base = (load_causal_lm(path) if i == 0 else load_critic(cfg.model.critic_path or path)).state_dict()
+        return merged_state({**base, **read_weights(weights[i])}, lora.alpha / lora.rank)
+
+    critic_part = (parts[1][2], weights_of(1)) if critic else None
+    write_model(out, config, weights_of(0), tokenizer, generation_config, stop_ids, dtype, critic_part)
     return out
 
 

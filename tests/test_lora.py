@@ -301,3 +301,52 @@ def test_a_target_module_the_model_lacks_is_refused_before_weights_load(artifact
     monkeypatch.setattr("rlhf.setup.load_causal_lm", lambda *a: pytest.fail("weights loaded before the check"))
     with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: c_attn is not a module .* q_proj"):
         load_models(cfg, artifacts.model_dir)
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+def test_two_processes_under_ddp_agree_with_one(artifacts, tmp_path, monkeypatch):
+    """tests/test_multiprocess.py's comparison (the same global batch, greedy-like sampling, two PPO epochs, a k3+
+    KL loss) with LoRA adapters on the actor and the critic: 2 DDP processes against 1."""
+    from test_multiprocess import PARITY_REWARD as MULTIPROCESS_REWARD
+    from test_multiprocess import assert_agree, launch, one_process_run, overrides
+
+    (tmp_path / "parity_reward.py").write_text(MULTIPROCESS_REWARD)
+    extra = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.critic=true")
+    out2, out1 = tmp_path / "two", tmp_path / "one"
+    result = launch(tmp_path, overrides(artifacts, out2, "token-mean", *extra))
+    assert "processes: 2 (MULTI_CPU)" in result.stdout and "LoRA rank 4" in result.stdout
+    one = one_process_run(monkeypatch, out1, overrides(artifacts, out1, "token-mean", *extra))
+    assert_agree(one, read_metrics(out2 / "metrics.jsonl"), artifacts)
+
+
+def test_fsdp_is_refused_with_lora_before_models_load(monkeypatch):
+    from accelerate.utils import DistributedType
+
+    class Sharded(Accelerator):
+        @property
+        def distributed_type(self):
+            return DistributedType.FSDP
+
+    monkeypatch.setattr(train, "Accelerator", Sharded)
+    with pytest.raises(ConfigError, match="under FSDP2 is not supported.*configs/accelerate/ddp.yaml"):
+        train.start_accelerator(load_config(None, ["model.lora.rank=4", "trainer.logger=none"]))
+    train.start_accelerator(load_config(None, ["trainer.logger=none"]))  # full fine-tuning: FSDP2 as before
+
+
+def test_a_lora_checkpoint_exports_as_the_run_does(artifacts, tmp_path):
+    """python -m rlhf.export on a LoRA checkpoint (adapters only, a LoRA critic's too): the base from the run's
+    model path, the adapters merged; the same weights as the run's own export at that step."""
+    from safetensors.torch import load_file
+
+    from rlhf import export
+
+    out = tmp_path / "out"
+    train.main(load_config(None, lora_overrides(artifacts, out, "trainer.total_steps=2", "model.lora.critic=true",
+                                                "trainer.export_critic=true")))
+    written = export.export_checkpoint(str(out / "checkpoints" / "step_2"), str(tmp_path / "exported"))
+    for sub in ("", "critic"):
+        mine = load_file(os.path.join(written, sub, "model.safetensors"))
+        runs = load_file(os.path.join(out, "model", sub, "model.safetensors"))
+        assert mine.keys() == runs.keys() and all(torch.equal(mine[k], runs[k]) for k in mine), sub
