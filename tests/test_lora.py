@@ -309,8 +309,14 @@ def test_a_target_module_the_model_lacks_is_refused_before_weights_load(artifact
 def test_two_processes_under_ddp_agree_with_one(artifacts, tmp_path, monkeypatch):
     """tests/test_multiprocess.py's comparison (the same global batch, greedy-like sampling, two PPO epochs, a k3+
     KL loss) with LoRA adapters on the actor and the critic: 2 DDP processes against 1."""
+    import test_multiprocess
     from test_multiprocess import PARITY_REWARD as MULTIPROCESS_REWARD
     from test_multiprocess import assert_agree, launch, one_process_run, overrides
+
+    # The adapters start at B = 0 and move little in 3 steps: the ratio stays ~1 and the whitened advantages
+    # average 0, so pg_loss is a cancellation of order-1 terms down to ~4e-5, where float32 summing in another
+    # order (~1e-7 absolute) is a relative 3e-3. It is compared absolutely below; the rest as in the full run.
+    monkeypatch.setattr(test_multiprocess, "CLOSE", [k for k in test_multiprocess.CLOSE if k != "actor/pg_loss"])
 
     (tmp_path / "parity_reward.py").write_text(MULTIPROCESS_REWARD)
     extra = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.critic=true")
@@ -318,7 +324,10 @@ def test_two_processes_under_ddp_agree_with_one(artifacts, tmp_path, monkeypatch
     result = launch(tmp_path, overrides(artifacts, out2, "token-mean", *extra))
     assert "processes: 2 (MULTI_CPU)" in result.stdout and "LoRA rank 4" in result.stdout
     one = one_process_run(monkeypatch, out1, overrides(artifacts, out1, "token-mean", *extra))
-    assert_agree(one, read_metrics(out2 / "metrics.jsonl"), artifacts)
+    two = read_metrics(out2 / "metrics.jsonl")
+    assert_agree(one, two, artifacts)
+    for a, b in zip(one[1:], two[1:]):
+        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=0, abs=1e-6) and a["actor/pg_loss"] != 0
 
 
 def test_fsdp_is_refused_with_lora_before_models_load(monkeypatch):
