@@ -178,6 +178,7 @@ def test_static_cache_decoder_under_adapters_equals_the_reference_loop(lora_run)
 @pytest.mark.parametrize("case", [
     ("algorithm.adv_estimator=gae", "model.lora.critic=true"),
     ("algorithm.adv_estimator=grpo", "rollout.n=2", "actor.use_kl_loss=true", "actor.kl_loss_type=full"),
+    ("model.dtype=bfloat16", "trainer.mixed_precision=bf16", "model.gradient_checkpointing=true"),
 ])
 def test_ppo_and_grpo_steps_train_the_adapters_only(artifacts, tmp_path, monkeypatch, case):
     """Micro-batches (2 per mini-batch), the KL panel, a KL in the reward or the loss: the adapters (and a LoRA
@@ -193,7 +194,13 @@ def test_ppo_and_grpo_steps_train_the_adapters_only(artifacts, tmp_path, monkeyp
 
     monkeypatch.setattr(train, "setup", keep)
     out = tmp_path / "out"
-    train.main(load_config(None, lora_overrides(artifacts, out, "trainer.total_steps=3", *case)))
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # mixed precision is fixed once per process; other tests run without
+    try:
+        train.main(load_config(None, lora_overrides(artifacts, out, "trainer.total_steps=3", *case)))
+    finally:
+        AcceleratorState._reset_state(True)
     rows = read_metrics(out / "metrics.jsonl")
     assert rows[-1]["kl/full"] > 0 and rows[1]["actor/grad_norm"] > 0
     for model in (m for m in models["run"].models[:2] if m is not None):
