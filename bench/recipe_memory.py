@@ -12,15 +12,15 @@ memory held throughout (weights, AdamW's moments, the reference: `static`) plus 
   product), the copy of the prompts' cache into the static cache (rlhf/decode.py: both at once), and the decoding
   (the static cache, the last position's logits and the sampler's float32 noise, a few (B, V) tensors);
 - the rollout's log-prob pass, per micro-batch of rollout.log_prob_micro_batch_size: the actor's and the
-  reference's logits alive together (for the exact KL), and the larger of two moments: the log-probs' (the flat
-  copy core_algos._row_chunks makes of the sliced logits, float32 chunks of LOGITS_CHUNK_ROWS rows) and the
-  exact KL's (flat copies of both logits, its 256-row float32 chunks);
+  reference's logits alive together (for the exact KL), and the larger of two moments: the log-probs' (float32
+  blocks of LOGITS_CHUNK_ROWS rows, read from the logits as they are) and the exact KL's (flat copies of both
+  logits, its 256-row float32 chunks);
 - the update, per micro-batch of actor.ppo_micro_batch_size: the gradients of the actor and the critic
   (allocated at the first backward, freed after each optimizer step), the autocast copy of the weights, and what
-  autograd keeps between the forward and the backward: the logits, their float32 copy (torch.logsumexp keeps
-  each chunk's float32 input, so the whole micro-batch's logits exist in float32 until the backward), the
-  layers' inputs (gradient checkpointing) or all their activations, and at the backward's start the logits'
-  gradient (twice: the chunks' and their concatenation);
+  autograd keeps between the forward and the backward: the logits (in the compute dtype; the log-probs and the
+  entropy recompute their float32 blocks in the backward, core_algos), the layers' inputs (gradient
+  checkpointing) or all their activations; and the larger of two moments: the forward's float32 blocks, and the
+  backward's start, where the log-probs' (B, R, V) gradient and float32 blocks exist beside the logits;
 - the optimizer step: fused AdamW's temporaries, one parameter tensor's size (small).
 With several processes: DDP adds its gradient buckets (a second copy of the gradients, 25 MB buckets packed
 from them: counted as the whole gradients' size); FSDP2 divides the actor's and the critic's weights, gradients
@@ -126,9 +126,6 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     log_micro = min(cfg.rollout.log_prob_micro_batch_size, batch)
     layer_params = (actor - v * h - h) / layers
 
-    def chunk(num_rows):  # rows of a float32 chunk (core_algos._row_chunks)
-        return min(LOGITS_CHUNK_ROWS, num_rows)
-
     val_batch = min(cfg.data.val_batch_size, -(-(cfg.data.max_val_samples or NUM_HELD_OUT) // num_processes))
 
     def kv_cache(num_sequences, num_tokens):
@@ -156,23 +153,23 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
         "prompts' KV cache (sampling)": kv_cache(batch, prompt),
         "prefill MLP (sampling)": 3 * batch * prompt * mlp * compute,
         "decoding step (sampling)": decoding_step(batch),
-        # the actor's and the reference's logits alive together; the contiguous copy core_algos._row_chunks makes
-        # of the (B, R, V) slice of the (B, R + 1, V) logits; the chunk divided by the temperature and
+        # the actor's and the reference's logits alive together; a float32 block divided by the temperature and
         # logsumexp's two temporaries
         "logits, log-prob pass": log_micro * rows * v * (compute + ref_compute),
-        "logits' flat copy and float32 chunks, log-prob pass": (log_micro * (rows - 1) * v * ref_compute
-                                                                 + float32_chunks(log_micro * (rows - 1), 3)),
+        "log-probs' float32 blocks, log-prob pass": float32_chunks(log_micro * (rows - 1), 3),
         # kl.full_kl (the panel's kl/full and kl/full_forward, or a `full` KL in the reward): flat copies of both
         # logits, and some 8 float32 temporaries of its 256-row chunks
         "exact KL's flat copies and chunks, log-prob pass": (
             log_micro * (rows - 1) * v * (compute + ref_compute) + 8 * min(256, log_micro * (rows - 1)) * v * 4
             if rollout_full_kl(cfg) else 0),
         "logits, update": micro * rows * v * compute,
-        # what logsumexp keeps for the backward: every chunk's float32 input, so the whole micro-batch's
-        "float32 logits kept for the backward": micro * (rows - 1) * v * 4,
-        # actor/entropy (under no_grad, chunked): the flat copy, and the chunk's division, log_softmax, exp, product
-        "entropy's flat copy and float32 chunks, update": (micro * (rows - 1) * v * compute
-                                                            + float32_chunks(micro * (rows - 1), 4)),
+        # the forward's moment: actor/entropy's block divided by the temperature, its log_softmax, exp and product
+        "float32 blocks, update forward": float32_chunks(micro * (rows - 1), 4),
+        # the backward's start: the log-probs' (B, R, V) gradient and a block's float32 softmax, product and
+        # division (the model output's (B, R + 1, V) gradient it is then copied into comes after the logits are
+        # freed: no larger)
+        "logits' gradient and float32 blocks, update backward": (micro * (rows - 1) * v * compute
+                                                                 + float32_chunks(micro * (rows - 1), 3)),
         # a `full` KL loss: the reference's logits, and the flat copies of both that kl.full_kl keeps for its backward
         "reference logits, `full` KL loss": (micro * rows * v * ref_compute
                                               + micro * (rows - 1) * v * (compute + ref_compute) if full_kl_loss else 0),
@@ -192,10 +189,11 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
                                  out["prompts' KV cache (sampling)"] + out["KV cache (sampling)"],
                                  out["KV cache (sampling)"] + out["decoding step (sampling)"])
     out["log-prob pass"] = held + out["logits, log-prob pass"] + max(
-        out["logits' flat copy and float32 chunks, log-prob pass"], out["exact KL's flat copies and chunks, log-prob pass"])
+        out["log-probs' float32 blocks, log-prob pass"], out["exact KL's flat copies and chunks, log-prob pass"])
     out["update"] = (held + out["gradients (update)"] + out["DDP gradient buckets (update)"] + out["logits, update"]
-                     + out["float32 logits kept for the backward"] + out["entropy's flat copy and float32 chunks, update"]
-                     + out["reference logits, `full` KL loss"] + out["layer activations kept, update"])
+                     + out["reference logits, `full` KL loss"] + out["layer activations kept, update"]
+                     + max(out["float32 blocks, update forward"],
+                           out["logits' gradient and float32 blocks, update backward"]))
     out["optimizer step"] = out["static"] + out["gradients (update)"] + out["DDP gradient buckets (update)"]
     out["evaluation"] = held + max(out["prompts' KV cache (evaluation)"] + out["KV cache (evaluation)"],
                                    out["KV cache (evaluation)"] + out["decoding step (evaluation)"])

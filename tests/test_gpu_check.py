@@ -84,3 +84,34 @@ def test_the_core_imports_neither_datasets_nor_wandb():
             "print(sorted(m for m in ('datasets', 'wandb') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_set_up_model_let_go_is_freed_without_a_garbage_collection(artifacts, tmp_path):
+    """Under mixed precision, accelerate's prepare wraps each model's forward, and unwrapping it leaves a forward
+    bound to the model in its own attributes: a cycle that keeps the model (on a GPU, its weights and AdamW
+    moments) until a full garbage collection, so the next part of the GPU check would measure on top of it."""
+    import gc
+    import weakref
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from helpers import tiny_overrides
+
+    from rlhf.config import load_config
+    from rlhf.setup import setup
+
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"),
+                      tiny_overrides(artifacts, str(tmp_path), "trainer.mixed_precision=bf16"))
+    AcceleratorState._reset_state(True)
+    gc.disable()  # collected only by reference counts from here
+    try:
+        accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+        run = setup(cfg, accelerator)
+        actor, critic = (weakref.ref(m) for m in run.models[:2])
+        assert "forward" not in vars(actor())  # the class's forward, not one bound to the model
+        del run, accelerator
+        AcceleratorState._reset_state(True)
+        assert actor() is None and critic() is None
+    finally:
+        gc.enable()
+        AcceleratorState._reset_state(True)
