@@ -64,10 +64,13 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 # The table's columns: (label, card GB as sold, sharding, processes). 80 GB+ tries checkpointing off first.
 CARDS = [("24 GB, 1 GPU", 24, "none", 1), ("24 GB, DDP", 24, "ddp", 2), ("24 GB, FSDP2 x2", 24, "fsdp", 2),
          ("40 GB, 1 GPU", 40, "none", 1), ("80 GB+, 1 GPU", 80, "none", 1)]
-RESERVED_GIB = 2.0  # the CUDA context and the allocator's slack, not computed: an allowance
+RESERVED_GIB = 2.0  # the CUDA context and the allocator's slack, not computed: an allowance (the GPU check measures it)
+MARGIN_GIB = 0.5  # what a fitting setting leaves beyond the allowance, for what the model does not count
 NUM_HELD_OUT = 1319  # GSM8K's test problems
 RECIPES = {"ppo": RECIPE, "grpo": GRPO_RECIPE}
 PHASES = ("sampling", "log-prob pass", "update", "optimizer step", "evaluation")
+# The transformers versions whose KV caches differ (cache_keeps_value_dtype): the project's floor admits both
+TRANSFORMERS = ("5.17", "5.2x")
 
 
 def num_parameters(shape: dict = QWEN2_5_0_5B) -> int:
@@ -96,10 +99,13 @@ def cache_keeps_value_dtype() -> bool:
 
 
 def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, sharding: str = "none",
-           mixed_precision: str | None = None, prompt_tokens: int | None = None) -> dict[str, float]:
+           mixed_precision: str | None = None, prompt_tokens: int | None = None,
+           transformers: str | None = None) -> dict[str, float]:
     """GiB per process: each row (the module docstring), 'static', each phase of PHASES and 'peak'.
     `sharding`: none (one GPU), ddp or fsdp over `num_processes`; `mixed_precision` defaults to the config's
-    trainer.mixed_precision; `prompt_tokens` to data.max_prompt_length (the longest prompt of a batch)."""
+    trainer.mixed_precision; `prompt_tokens` to data.max_prompt_length (the longest prompt of a batch);
+    `transformers` ("5.17" or "5.2x", TRANSFORMERS) sets the KV cache's value dtype, by default the installed
+    one's."""
     if sharding not in ("none", "ddp", "fsdp"):
         raise ValueError(f"unknown sharding {sharding!r}; choose from none, ddp, fsdp")
     h, v, layers, mlp = (shape[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size"))
@@ -113,7 +119,10 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     # float32 weights); values come from v_proj in the compute dtype, and stay so where the installed
     # transformers' cache keeps each one's dtype (5.2x; 5.17 makes the values the keys' dtype).
     key_bytes = 4 if weight == 4 else weight
-    value_bytes = compute if cache_keeps_value_dtype() else key_bytes
+    if transformers not in (None, *TRANSFORMERS):
+        raise ValueError(f"unknown transformers {transformers!r}; choose from {', '.join(TRANSFORMERS)}")
+    own_value_dtype = cache_keeps_value_dtype() if transformers is None else transformers == "5.2x"
+    value_bytes = compute if own_value_dtype else key_bytes
     actor = num_parameters(shape)
     critic = num_parameters(shape) + h + 1 if core_algos.needs_critic(cfg.algorithm.adv_estimator) else 0
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.trainer.log_kl_panel
@@ -173,9 +182,11 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
         # a `full` KL loss: the reference's logits, and the flat copies of both that kl.full_kl keeps for its backward
         "reference logits, `full` KL loss": (micro * rows * v * ref_compute
                                               + micro * (rows - 1) * v * (compute + ref_compute) if full_kl_loss else 0),
-        "layer activations kept, update": (micro * tokens * h * 4 * layers + _layer_activations(micro, tokens, h, kv_dim, mlp, compute)
-                                           if cfg.model.gradient_checkpointing
-                                           else layers * _layer_activations(micro, tokens, h, kv_dim, mlp, compute)),
+        # with checkpointing each layer's input (the residual stream, in the weights' dtype) and, while one layer
+        # is recomputed, all of its activations
+        "layer activations kept, update": micro * tokens * (
+            h * weight * layers + layer_activations(shape, weight, compute) if cfg.model.gradient_checkpointing
+            else layers * layer_activations(shape, weight, compute)),
         "KV cache (evaluation)": kv_cache(val_batch, tokens),
         "prompts' KV cache (evaluation)": kv_cache(val_batch, prompt),
         "decoding step (evaluation)": decoding_step(val_batch),
@@ -201,21 +212,71 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     return out
 
 
-def _layer_activations(micro: int, tokens: int, h: int, kv_dim: int, mlp: int, compute: int) -> float:
-    """Bytes one decoder layer keeps for its backward: the residual input and two norms' outputs (float32 and the
-    compute dtype), q, k, v and their rotated copies, the attention output, and the MLP's gate, up, activation and
-    product."""
-    return micro * tokens * ((3 * h + 2 * kv_dim) * 4 + (4 * h + 2 * kv_dim) * compute + 4 * mlp * compute)
+def layer_activations(shape: dict, weight: int, compute: int) -> int:
+    """Bytes one decoder layer keeps for its backward, per token, with weights of `weight` bytes and activations of
+    `compute` bytes (2 under bf16 autocast over float32 weights), as saved-tensor hooks count them
+    (measured_layer_activations, tests/test_recipe_memory.py):
+    - each RMSNorm: its input, the normalised input and its output in the residual stream's dtype (the weights'),
+      and the reciprocal root mean square; under autocast the output is not kept, but each linear layer it feeds
+      keeps its own cast copy: q, k, v, gate and up;
+    - attention: the rotated queries, the keys and values repeated to every query head (a padding mask makes SDPA
+      take transformers' repeat_kv path, and a training batch has padding), the output, and SDPA's float32
+      log-sum-exp per head;
+    - the MLP: gate, up, their activation and product."""
+    h, mlp, heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
+    cast = compute != weight  # autocast: the linears keep cast copies of their inputs
+    norms = 2 * ((2 if cast else 3) * h * weight + 4)
+    casts = 5 * h * compute if cast else 0
+    attention = 4 * h * compute + heads * 4
+    return norms + casts + attention + 4 * mlp * compute
+
+
+def measured_layer_activations(shape: dict, autocast: bool, num_tokens: int = 50) -> float:
+    """Bytes a decoder layer keeps for its backward per token, counted with saved-tensor hooks on the CPU: Qwen2
+    models of 3 and 1 layers of `shape` (float32 weights, bf16 autocast or none) on 2 left-padded sequences, the
+    difference halved. Weights and autocast's cached bf16 copies of them are not counted (rows of their own)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def saved_bytes(num_layers):
+        torch.manual_seed(0)
+        config = Qwen2Config(**{**shape, "num_hidden_layers": num_layers, "vocab_size": 512})
+        config._attn_implementation = "sdpa"
+        model = Qwen2ForCausalLM(config).eval()
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+        if any(2 * num_tokens in dims for dims in weight_shapes):  # a (2 x tokens, width) view would pass for a weight
+            raise ValueError(f"num_tokens={num_tokens}: 2 x num_tokens is a weight's dimension; choose another")
+        ids = torch.randint(0, 512, (2, num_tokens))
+        mask = torch.ones(2, num_tokens, dtype=torch.long)
+        mask[0, :5] = 0  # left padding, as the trainer's batches have
+        saved = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            is_weight_copy = tensor.dim() == 2 and (tuple(tensor.shape) in weight_shapes
+                                                   or tuple(tensor.shape[::-1]) in weight_shapes)
+            if storage.data_ptr() not in weights and not is_weight_copy:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
+            model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+        return sum(saved.values())
+
+    return (saved_bytes(3) - saved_bytes(1)) / 2 / (2 * num_tokens)
 
 
 def table(columns: dict[str, dict[str, float]]) -> str:
     """Markdown: one row per kind of tensor and per phase, one column per setting; rows that are 0 in every
     column are left out."""
     keys = [key for key in next(iter(columns.values())) if any(col[key] for col in columns.values())]
-    keys = [k for k in keys if k not in (*PHASES, "peak")] + [*PHASES, "peak"]
+    summary = [k for k in keys if k.startswith("peak on") or k in ("card less the allowance", "margin")]
+    keys = [k for k in keys if k not in (*PHASES, "peak", *summary)] + [*PHASES, "peak", *summary]
     lines = ["| GiB per GPU | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for key in keys:
-        name = f"**{key}**" if key in ("static", "peak") else (f"*{key}*" if key in PHASES else key)
+        name = f"**{key}**" if key in ("static", "peak", "margin") else (f"*{key}*" if key in PHASES else key)
         lines.append(f"| {name} | " + " | ".join(f"{col[key]:.2f}" for col in columns.values()) + " |")
     return "\n".join(lines)
 
@@ -234,8 +295,11 @@ def fitting_overrides(recipe: str, card_gb: int, sharding: str, processes: int,
     base = load_config(RECIPES[recipe])
     share = base.actor.ppo_mini_batch_size * base.rollout.n // processes
     micros = [m for m in range(share, 0, -1) if share % m == 0]
-    fits = lambda overrides, phase: memory(load_config(RECIPES[recipe], overrides), num_processes=processes,  # noqa: E731
-                                           sharding=sharding, prompt_tokens=prompt_tokens)[phase] <= usable_gib(card_gb)
+    def fits(overrides, phase):  # on every transformers of TRANSFORMERS, with MARGIN_GIB to spare
+        cfg = load_config(RECIPES[recipe], overrides)
+        return all(memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens,
+                          transformers=version)[phase] <= usable_gib(card_gb) - MARGIN_GIB for version in TRANSFORMERS)
+
     for checkpointing in ((False, True) if card_gb >= 80 else (True,)):
         flag = [f"model.gradient_checkpointing={str(checkpointing).lower()}"]
         micro = next((m for m in micros if fits([*flag, f"actor.ppo_micro_batch_size={m}"], "update")), None)
@@ -265,7 +329,13 @@ def recipe_columns(recipe: str, prompt_tokens: int = GSM8K_PROMPT_TOKENS) -> dic
                     f"eval batch {cfg.data.val_batch_size}"
                     + ("" if cfg.model.gradient_checkpointing else ", no checkpointing"))
         name = f"{label}: {settings}" if overrides else f"{label}: does not fit ({settings})"
-        columns[name] = memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens)
+        column = memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens, transformers="5.2x")
+        peaks = {version: memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens,
+                                 transformers=version)["peak"] for version in TRANSFORMERS}
+        column.update({f"peak on transformers {version}": peak for version, peak in peaks.items()})
+        column["card less the allowance"] = usable_gib(card_gb)
+        column["margin"] = usable_gib(card_gb) - max(peaks.values())
+        columns[name] = column
     return columns
 
 
@@ -385,6 +455,15 @@ def validate() -> int:
             worst = max(worst, abs(error))
             print(f"| {case} | {phase} | {value:.3f} | {computed[phase]:.3f} | {error:+.1%} | "
                   f"{value - computed['static']:.3f} / {computed[phase] - computed['static']:.3f} |", flush=True)
+    # The CPU cannot run the recipes' bf16 autocast at speed, but it can count what autocast keeps: one layer's
+    # activations at Qwen2.5-0.5B's width, with and without it.
+    print("\n| Qwen2.5-0.5B's layer, per token | measured B | computed B | error |\n|---|---|---|---|")
+    for autocast in (False, True):
+        measured = measured_layer_activations(QWEN2_5_0_5B, autocast)
+        computed = layer_activations(QWEN2_5_0_5B, 4, 2 if autocast else 4)
+        worst = max(worst, abs(computed / measured - 1))
+        print(f"| {'bf16 autocast' if autocast else 'float32'} | {measured:,.0f} | {computed:,} | "
+              f"{computed / measured - 1:+.1%} |")
     print(f"largest error: {worst:.1%} ({'within' if worst <= 0.15 else 'OVER'} 15%)")
     return 0 if worst <= 0.15 else 1
 
