@@ -43,6 +43,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 from rlhf import core_algos, kl
 from rlhf.step import rollout_full_kl
@@ -67,10 +68,48 @@ CARDS = [("24 GB, 1 GPU", 24, "none", 1), ("24 GB, DDP", 24, "ddp", 2), ("24 GB,
 RESERVED_GIB = 2.0  # the CUDA context and the allocator's slack, not computed: an allowance (the GPU check measures it)
 MARGIN_GIB = 0.5  # what a fitting setting leaves beyond the allowance, for what the model does not count
 NUM_HELD_OUT = 1319  # GSM8K's test problems
-RECIPES = {"ppo": RECIPE, "grpo": GRPO_RECIPE}
+# The LoRA recipes: adapters of rank 32 on every linear layer, the frozen base in bf16 (docs/gpu.md)
+LORA_RECIPES = {"ppo-lora": os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b_lora.yaml"),
+                "grpo-lora": os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b_grpo_lora.yaml")}
+RECIPES = {"ppo": RECIPE, "grpo": GRPO_RECIPE, **LORA_RECIPES}
 PHASES = ("sampling", "log-prob pass", "update", "optimizer step", "evaluation")
 # The transformers versions whose KV caches differ (cache_keeps_value_dtype): the project's floor admits both
 TRANSFORMERS = ("5.17", "5.2x")
+
+
+# The linear layers of a Qwen2 decoder layer, with (inputs, outputs) as multiples of (width, KV width, MLP width)
+LINEARS = {"q_proj": ("h", "h"), "k_proj": ("h", "kv"), "v_proj": ("h", "kv"), "o_proj": ("h", "h"),
+           "gate_proj": ("h", "mlp"), "up_proj": ("h", "mlp"), "down_proj": ("mlp", "h")}
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """What the memory needs of `model.lora`: the adapters' rank, the adapted linear layers of each decoder layer,
+    and whether the critic's backbone has adapters too (its value head is trained whole)."""
+
+    rank: int
+    target_modules: tuple[str, ...] = tuple(LINEARS)
+    critic: bool = False
+
+
+def lora_of(cfg: Config) -> LoRA | None:
+    """cfg.model.lora as a LoRA (None with rank 0, or where the config has no LoRA section)."""
+    section = getattr(cfg.model, "lora", None)
+    if section is None or not section.rank:
+        return None
+    return LoRA(section.rank, tuple(section.target_modules), bool(section.critic))
+
+
+def lora_parameters(lora: LoRA, shape: dict = QWEN2_5_0_5B) -> int:
+    """The adapters' parameters on one model: rank x (inputs + outputs) for each adapted linear of each layer."""
+    h = shape["hidden_size"]
+    widths = {"h": h, "kv": shape["num_key_value_heads"] * (h // shape["num_attention_heads"]),
+              "mlp": shape["intermediate_size"]}
+    unknown = sorted(set(lora.target_modules) - set(LINEARS))
+    if unknown:
+        raise ValueError(f"unknown target module(s) {unknown}; a Qwen2 layer has {', '.join(LINEARS)}")
+    per_layer = sum(lora.rank * (widths[LINEARS[m][0]] + widths[LINEARS[m][1]]) for m in lora.target_modules)
+    return shape["num_hidden_layers"] * per_layer
 
 
 def num_parameters(shape: dict = QWEN2_5_0_5B) -> int:
@@ -100,12 +139,14 @@ def cache_keeps_value_dtype() -> bool:
 
 def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, sharding: str = "none",
            mixed_precision: str | None = None, prompt_tokens: int | None = None,
-           transformers: str | None = None) -> dict[str, float]:
+           transformers: str | None = None, lora: LoRA | None = None) -> dict[str, float]:
     """GiB per process: each row (the module docstring), 'static', each phase of PHASES and 'peak'.
     `sharding`: none (one GPU), ddp or fsdp over `num_processes`; `mixed_precision` defaults to the config's
     trainer.mixed_precision; `prompt_tokens` to data.max_prompt_length (the longest prompt of a batch);
     `transformers` ("5.17" or "5.2x", TRANSFORMERS) sets the KV cache's value dtype, by default the installed
-    one's."""
+    one's; `lora` the adapters (default: the config's model.lora, lora_of): the base frozen in model.dtype,
+    adapters, their gradients and AdamW moments in float32, no reference copy (the reference is the policy with its
+    adapters off)."""
     if sharding not in ("none", "ddp", "fsdp"):
         raise ValueError(f"unknown sharding {sharding!r}; choose from none, ddp, fsdp")
     h, v, layers, mlp = (shape[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size"))
@@ -123,9 +164,16 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
         raise ValueError(f"unknown transformers {transformers!r}; choose from {', '.join(TRANSFORMERS)}")
     own_value_dtype = cache_keeps_value_dtype() if transformers is None else transformers == "5.2x"
     value_bytes = compute if own_value_dtype else key_bytes
+    lora = lora or lora_of(cfg)
     actor = num_parameters(shape)
     critic = num_parameters(shape) + h + 1 if core_algos.needs_critic(cfg.algorithm.adv_estimator) else 0
-    need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.trainer.log_kl_panel
+    need_ref = (cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.trainer.log_kl_panel) and lora is None
+    # Trained parameters, in float32 where the base is frozen (adapters), in model.dtype where it is not
+    adapters = lora_parameters(lora, shape) if lora else 0
+    critic_adapters = adapters if lora and lora.critic and critic else 0
+    actor_trained, actor_trained_bytes = (adapters, 4) if lora else (actor, weight)
+    critic_trained, critic_trained_bytes = ((critic_adapters + h + 1, 4) if critic_adapters else (critic, weight))
+    trained_bytes = actor_trained * actor_trained_bytes + critic_trained * critic_trained_bytes
     shards = num_processes if sharding == "fsdp" else 1
     prompt = prompt_tokens or cfg.data.max_prompt_length
     tokens = prompt + cfg.data.max_response_length
@@ -149,15 +197,17 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     full_kl_loss = cfg.actor.use_kl_loss and kl.needs_logits(cfg.actor.kl_loss_type)
     out = {
         "actor weights": actor * weight / shards,
-        "actor AdamW moments": 2 * actor * weight / shards,
+        "actor adapters (float32)": adapters * 4 / shards,
+        "actor AdamW moments": 2 * actor_trained * actor_trained_bytes / shards,
         "critic weights": critic * weight / shards,
-        "critic AdamW moments": 2 * critic * weight / shards,
+        "critic adapters (float32)": critic_adapters * 4 / shards,
+        "critic AdamW moments": 2 * critic_trained * critic_trained_bytes / shards,
         "reference": actor * ref_weight if need_ref else 0,
-        "gradients (update)": (actor + critic) * weight / shards,
-        "DDP gradient buckets (update)": (actor + critic) * weight if sharding == "ddp" else 0,
+        "gradients (update)": trained_bytes / shards,
+        "DDP gradient buckets (update)": trained_bytes if sharding == "ddp" else 0,
         # one decoder layer's weights gathered whole for its forward (and its gradient before the reduce-scatter)
         "FSDP2 gathered layer": 2 * layer_params * weight if sharding == "fsdp" else 0,
-        "autocast copy of the weights (bf16)": actor * 2 if autocast and weight == 4 else 0,
+        "autocast copy of the weights (bf16)": (actor * 2 if autocast and weight == 4 else 0) + (adapters * 2 if autocast else 0),
         "KV cache (sampling)": kv_cache(batch, tokens),
         "prompts' KV cache (sampling)": kv_cache(batch, prompt),
         "prefill MLP (sampling)": 3 * batch * prompt * mlp * compute,
@@ -185,16 +235,17 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
         # with checkpointing each layer's input (the residual stream, in the weights' dtype) and, while one layer
         # is recomputed, all of its activations
         "layer activations kept, update": micro * tokens * (
-            h * weight * layers + layer_activations(shape, weight, compute) if cfg.model.gradient_checkpointing
-            else layers * layer_activations(shape, weight, compute)),
+            h * weight * layers + layer_activations(shape, weight, compute, lora) if cfg.model.gradient_checkpointing
+            else layers * layer_activations(shape, weight, compute, lora)),
         "KV cache (evaluation)": kv_cache(val_batch, tokens),
         "prompts' KV cache (evaluation)": kv_cache(val_batch, prompt),
         "decoding step (evaluation)": decoding_step(val_batch),
     }
     out = {key: value / GIB for key, value in out.items()}
     gathered = out["FSDP2 gathered layer"]
-    out["static"] = sum(out[k] for k in ("actor weights", "actor AdamW moments", "critic weights",
-                                         "critic AdamW moments", "reference"))
+    out["static"] = sum(out[k] for k in ("actor weights", "actor adapters (float32)", "actor AdamW moments",
+                                         "critic weights", "critic adapters (float32)", "critic AdamW moments",
+                                         "reference"))
     held = out["static"] + out["autocast copy of the weights (bf16)"] + gathered
     out["sampling"] = held + max(out["prompts' KV cache (sampling)"] + out["prefill MLP (sampling)"],
                                  out["prompts' KV cache (sampling)"] + out["KV cache (sampling)"],
@@ -212,29 +263,34 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     return out
 
 
-def layer_activations(shape: dict, weight: int, compute: int) -> int:
+def layer_activations(shape: dict, weight: int, compute: int, lora: LoRA | None = None) -> int:
     """Bytes one decoder layer keeps for its backward, per token, with weights of `weight` bytes and activations of
-    `compute` bytes (2 under bf16 autocast over float32 weights), as saved-tensor hooks count them
+    `compute` bytes (2 under bf16 autocast, over float32 or bf16 weights), as saved-tensor hooks count them
     (measured_layer_activations, tests/test_recipe_memory.py):
-    - each RMSNorm: its input, the normalised input and its output in the residual stream's dtype (the weights'),
-      and the reciprocal root mean square; under autocast the output is not kept, but each linear layer it feeds
-      keeps its own cast copy: q, k, v, gate and up;
+    - each RMSNorm: its input in float32 (Qwen2's norm computes in float32), its normalised input in the weights'
+      dtype and its output; under autocast over float32 weights the output is not kept, but each linear layer it
+      feeds keeps its own cast copy: q, k, v, gate and up;
     - attention: the rotated queries, the keys and values repeated to every query head (a padding mask makes SDPA
       take transformers' repeat_kv path, and a training batch has padding), the output, and SDPA's float32
       log-sum-exp per head;
-    - the MLP: gate, up, their activation and product."""
+    - the MLP: gate, up, their activation and product;
+    - with LoRA (PEFT): each adapter's rank-sized output, and two more copies of the width in the compute dtype
+      (what PEFT's forward adds, as the hooks count it)."""
     h, mlp, heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
-    cast = compute != weight  # autocast: the linears keep cast copies of their inputs
-    norms = 2 * ((2 if cast else 3) * h * weight + 4)
+    cast = compute != weight  # autocast over float32 weights: the linears keep cast copies of their inputs
+    norms = 2 * (4 * h + h * weight + (0 if cast else h * weight) + 4)
     casts = 5 * h * compute if cast else 0
     attention = 4 * h * compute + heads * 4
-    return norms + casts + attention + 4 * mlp * compute
+    adapters = (len(lora.target_modules) * lora.rank + 2 * h) * compute if lora else 0
+    return norms + casts + attention + 4 * mlp * compute + adapters
 
 
-def measured_layer_activations(shape: dict, autocast: bool, num_tokens: int = 50) -> float:
+def measured_layer_activations(shape: dict, autocast: bool, num_tokens: int = 50, weight: str = "float32",
+                               lora: LoRA | None = None) -> float:
     """Bytes a decoder layer keeps for its backward per token, counted with saved-tensor hooks on the CPU: Qwen2
-    models of 3 and 1 layers of `shape` (float32 weights, bf16 autocast or none) on 2 left-padded sequences, the
-    difference halved. Weights and autocast's cached bf16 copies of them are not counted (rows of their own)."""
+    models of 3 and 1 layers of `shape` (weights in `weight`, bf16 autocast or none; `lora`: PEFT's adapters on
+    them) on 2 left-padded sequences, the difference halved. Weights and autocast's cached bf16 copies of them are
+    not counted (rows of their own)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -242,7 +298,12 @@ def measured_layer_activations(shape: dict, autocast: bool, num_tokens: int = 50
         torch.manual_seed(0)
         config = Qwen2Config(**{**shape, "num_hidden_layers": num_layers, "vocab_size": 512})
         config._attn_implementation = "sdpa"
-        model = Qwen2ForCausalLM(config).eval()
+        model = Qwen2ForCausalLM(config).to(getattr(torch, weight)).eval()
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.rank,
+                                                     target_modules=list(lora.target_modules))).eval()
         weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
         if any(2 * num_tokens in dims for dims in weight_shapes):  # a (2 x tokens, width) view would pass for a weight
@@ -281,6 +342,29 @@ def table(columns: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def load_recipe(path: str, overrides=()) -> tuple[Config, LoRA | None]:
+    """A recipe's config (`overrides` on top) and its LoRA: the file's model.lora section is read here, and the
+    rest goes through load_config (so the memory of a LoRA recipe is computed with or without the trainer's LoRA
+    installed)."""
+    import yaml
+
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    section = raw.get("model", {}).pop("lora", None) or {}
+
+    def dotted(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from dotted(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}={json.dumps(value)}"
+
+    cfg = load_config(None, [*dotted(raw), *overrides])
+    if not section.get("rank"):
+        return cfg, None
+    return cfg, LoRA(section["rank"], tuple(section.get("target_modules", LINEARS)), bool(section.get("critic", False)))
+
+
 def usable_gib(card_gb: int) -> float:
     """What a card sold as `card_gb` GB holds, in GiB, less RESERVED_GIB."""
     return card_gb * 1e9 / GIB - RESERVED_GIB
@@ -292,13 +376,15 @@ def fitting_overrides(recipe: str, card_gb: int, sharding: str, processes: int,
     rollout.log_prob_micro_batch_size a power of two) and the fewest evaluation batches (data.val_batch_size)
     whose computed peak fits the card; gradient checkpointing off where the update then still fits with a
     micro-batch of 8 or more (80 GB and larger). None if nothing fits."""
-    base = load_config(RECIPES[recipe])
+    base, _ = load_recipe(RECIPES[recipe])
     share = base.actor.ppo_mini_batch_size * base.rollout.n // processes
     micros = [m for m in range(share, 0, -1) if share % m == 0]
+
     def fits(overrides, phase):  # on every transformers of TRANSFORMERS, with MARGIN_GIB to spare
-        cfg = load_config(RECIPES[recipe], overrides)
+        cfg, lora = load_recipe(RECIPES[recipe], overrides)
         return all(memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens,
-                          transformers=version)[phase] <= usable_gib(card_gb) - MARGIN_GIB for version in TRANSFORMERS)
+                          transformers=version, lora=lora)[phase] <= usable_gib(card_gb) - MARGIN_GIB
+                   for version in TRANSFORMERS)
 
     for checkpointing in ((False, True) if card_gb >= 80 else (True,)):
         flag = [f"model.gradient_checkpointing={str(checkpointing).lower()}"]
@@ -319,19 +405,23 @@ def fitting_overrides(recipe: str, card_gb: int, sharding: str, processes: int,
 
 
 def recipe_columns(recipe: str, prompt_tokens: int = GSM8K_PROMPT_TOKENS) -> dict[str, dict[str, float]]:
-    """One column per card of CARDS: the recipe with the micro-batch sizes that fit it (fitting_overrides); a
-    card nothing fits on gets a column of the recipe's own sizes, marked as not fitting."""
+    """One column per card of CARDS (no FSDP2 column for a LoRA recipe: the adapters leave little to shard): the
+    recipe with the micro-batch sizes that fit it (fitting_overrides); a card nothing fits on gets a column of the
+    recipe's own sizes, marked as not fitting."""
     columns = {}
     for label, card_gb, sharding, processes in CARDS:
+        if recipe in LORA_RECIPES and sharding == "fsdp":
+            continue
         overrides = fitting_overrides(recipe, card_gb, sharding, processes, prompt_tokens)
-        cfg = load_config(RECIPES[recipe], overrides or [])
+        cfg, lora = load_recipe(RECIPES[recipe], overrides or [])
         settings = (f"micro {cfg.actor.ppo_micro_batch_size}, log-prob micro {cfg.rollout.log_prob_micro_batch_size}, "
                     f"eval batch {cfg.data.val_batch_size}"
                     + ("" if cfg.model.gradient_checkpointing else ", no checkpointing"))
         name = f"{label}: {settings}" if overrides else f"{label}: does not fit ({settings})"
-        column = memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens, transformers="5.2x")
+        column = memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens, transformers="5.2x",
+                        lora=lora)
         peaks = {version: memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens,
-                                 transformers=version)["peak"] for version in TRANSFORMERS}
+                                 transformers=version, lora=lora)["peak"] for version in TRANSFORMERS}
         column.update({f"peak on transformers {version}": peak for version, peak in peaks.items()})
         column["card less the allowance"] = usable_gib(card_gb)
         column["margin"] = usable_gib(card_gb) - max(peaks.values())
@@ -354,13 +444,17 @@ VALIDATION_CASES = {
                               "rollout.log_prob_micro_batch_size=8", "model.gradient_checkpointing=false"],
     "grpo": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=8",
              "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=10", "rollout.log_prob_micro_batch_size=20"],
+    # measured where the trainer has LoRA (rlhf/lora.py); float32 weights, as the other cases
+    "ppo-lora": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=32",
+                 "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4", "rollout.log_prob_micro_batch_size=8",
+                 "model.dtype=float32"],
 }
 MEASURED_PHASES = {"sampling": ("gen",), "log-prob pass": ("old_log_prob", "ref", "values"),
                    "update": ("update_actor", "update_critic"), "optimizer step": ("update_step",)}
 
 
 def validation_config(case: str, model_dir: str, out_dir: str) -> Config:
-    recipe = GRPO_RECIPE if case.startswith("grpo") else RECIPE
+    recipe = LORA_RECIPES[case] if case in LORA_RECIPES else GRPO_RECIPE if case.startswith("grpo") else RECIPE
     return load_config(recipe, [*VALIDATION_CASES[case], f"model.path={model_dir}", "model.ref_dtype=float32",
                                 "trainer.mixed_precision=no", "trainer.logger=none", f"trainer.output_dir={out_dir}",
                                 "rollout.ignore_eos=true", "data.val_batch_size=8"])
@@ -445,7 +539,12 @@ def validate() -> int:
     worst = 0.0
     print("| case | phase | measured GiB | computed GiB | error | above static: measured / computed |")
     print("|---|---|---|---|---|---|")
+    import importlib.util
+
     for case in VALIDATION_CASES:
+        if case in LORA_RECIPES and importlib.util.find_spec("rlhf.lora") is None:
+            print(f"| {case} | not measured: this checkout has no rlhf/lora.py | | | | |")
+            continue
         measured = json.loads(subprocess.run([sys.executable, __file__, "--measure", case], env=env, check=True,
                                              capture_output=True, text=True).stdout.strip().splitlines()[-1])
         with tempfile.TemporaryDirectory() as tmp:
@@ -458,12 +557,13 @@ def validate() -> int:
     # The CPU cannot run the recipes' bf16 autocast at speed, but it can count what autocast keeps: one layer's
     # activations at Qwen2.5-0.5B's width, with and without it.
     print("\n| Qwen2.5-0.5B's layer, per token | measured B | computed B | error |\n|---|---|---|---|")
-    for autocast in (False, True):
-        measured = measured_layer_activations(QWEN2_5_0_5B, autocast)
-        computed = layer_activations(QWEN2_5_0_5B, 4, 2 if autocast else 4)
+    for name, autocast, weight, lora in (("float32", False, "float32", None), ("bf16 autocast", True, "float32", None),
+                                         ("bf16 weights", True, "bfloat16", None),
+                                         ("bf16 weights, LoRA rank 32", True, "bfloat16", LoRA(32))):
+        measured = measured_layer_activations(QWEN2_5_0_5B, autocast, weight=weight, lora=lora)
+        computed = layer_activations(QWEN2_5_0_5B, BYTES[weight], 2 if autocast else BYTES[weight], lora)
         worst = max(worst, abs(computed / measured - 1))
-        print(f"| {'bf16 autocast' if autocast else 'float32'} | {measured:,.0f} | {computed:,} | "
-              f"{computed / measured - 1:+.1%} |")
+        print(f"| {name} | {measured:,.0f} | {computed:,} | {computed / measured - 1:+.1%} |")
     print(f"largest error: {worst:.1%} ({'within' if worst <= 0.15 else 'OVER'} 15%)")
     return 0 if worst <= 0.15 else 1
 

@@ -131,3 +131,27 @@ def test_a_set_up_model_let_go_is_freed_without_a_garbage_collection(artifacts, 
     finally:
         gc.enable()
         AcceleratorState._reset_state(True)
+
+
+def test_prepare_says_at_once_that_the_hub_is_unreachable_and_writes_the_fallbacks(tmp_path, monkeypatch):
+    """With the hub's endpoint refusing connections, the preparing script knows it from one connection attempt and
+    writes the tokenizer and the model config from its fallbacks without asking the hub (seconds, no retries)."""
+    import time
+
+    spec = importlib.util.spec_from_file_location("prepare_gpu_check", os.path.join(REPO, "bench", "prepare_gpu_check.py"))
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    start = time.perf_counter()
+    reason = prepare.hub_unreachable()
+    assert reason and "127.0.0.1:9" in reason
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.syspath_prepend(os.path.join(REPO, "bench"))
+    sources = prepare.tokenizer_and_config(str(tmp_path), hub=False)
+    assert prepare.gsm8k_test(str(tmp_path), hub=False) == "not written: the hub is unreachable"
+    assert time.perf_counter() - start < 60
+    assert "lab.real_parts" in sources["tokenizer"] and "no hub" in sources["config"]
+    with open(tmp_path / "qwen2.5-0.5b-config.json") as f:
+        assert json.load(f)["vocab_size"] == 151_936
+    assert prepare.hub_unreachable() == "HF_HUB_OFFLINE is set"
