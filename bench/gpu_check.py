@@ -595,12 +595,13 @@ def copy_bandwidth(device) -> float:
 
 def decode_floor_s(model, batch: int, context: int, bandwidth: float) -> float:
     """Seconds a token cannot beat at `batch`: the bf16 weights (autocast's copies) and each sequence's KV cache
-    of `context` tokens (float32 keys, the values in the model's cache dtype, here counted as float32: an upper
-    bound for 5.2x's bf16 values) read once, at the copy bandwidth."""
+    of `context` tokens (float32 keys; bf16 values on transformers 5.2x, float32 on 5.17) read once, at the copy
+    bandwidth."""
     c = model.config
     kv_width = c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
     weights = 2 * sum(p.numel() for p in model.parameters())
-    cache = batch * context * c.num_hidden_layers * kv_width * 2 * 4
+    value_bytes = 2 if memory_model().cache_keeps_value_dtype() else 4
+    cache = batch * context * c.num_hidden_layers * kv_width * (4 + value_bytes)
     return (weights + cache) / bandwidth
 
 
