@@ -784,13 +784,15 @@ def checkpoint(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
 
 def real_mode(report, args, tmp: str) -> None:
     """A networked machine: the base model's greedy accuracy on GSM8K's test set, then the PPO recipe's first steps."""
+    import torch
+
     import train
     from rlhf.config import load_config
     from rlhf.tracking import read_metrics
 
     recipe = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")
     out = os.path.join(args.out, "real_run")
-    device = __import__("torch").device(args.device)
+    device = torch.device(args.device)
     with report.part("real_base_accuracy", device) as (result, _):
         from rlhf.evaluate import evaluate_models
 
