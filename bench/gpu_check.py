@@ -1,31 +1,39 @@
 """The first minutes on a GPU: one process, no network, about 8 minutes on one H200, answering what a user of the
-recipes needs to know. Writes one JSON (rewritten after every part, so a run cut short still leaves its data) and
-one log, into --out (default outputs/gpu_check/).
+recipes needs to know. Prints one line per part with its numbers (so the output's tail alone answers), and writes
+one JSON (rewritten after every part, so a run cut short still leaves its data) and its log into --out (default
+outputs/gpu_check/).
 
     python bench/prepare_gpu_check.py          # first, where there is network: fills .gpu_check/ (docs/gpu.md)
-    python bench/gpu_check.py                  # on the GPU machine, from the repository's root
+    python bench/gpu_check.py --out /tmp/check # on the GPU machine, from the repository's root
     python bench/gpu_check.py --parts recipes memory_sweep    # some parts only
     python bench/gpu_check.py --toy --device cpu   # every part at toy size on a CPU (tests/test_gpu_check.py)
     python bench/gpu_check.py --real           # a networked GPU machine: the real weights and GSM8K (below)
 
-Parts, in order, each timed with the device synchronised (`parts.<name>` in the JSON):
-- cuda_tests: the tests marked `cuda` (tests/test_cuda.py: bf16 autocast, full_kl against its CPU result, the
-  two decoding loops on the GPU), run in this process by pytest;
-- embedded_default: configs/tiny.yaml trained on the device for its 40 steps (the warm start from .gpu_check/,
-  else built first, ~2 min on one CPU thread):
-  held-out accuracy at step 0 and at the end, seconds a step;
-- decode_sweep: Qwen2.5-0.5B's architecture (random weights) under bf16 autocast, the static-cache loop at
-  batch sizes up to the whole GSM8K test set (1,319), the reference loop at two of them, the compiled step at
-  one (its compile time too): ms a token and tokens/s;
-- recipes: configs/gsm8k_qwen2.5_0.5b.yaml and its GRPO sibling exactly as shipped (batch, lengths,
-  micro-batches, bf16, checkpointing) on Qwen2.5-0.5B's architecture with random weights from its config, Qwen's
-  tokenizer and GSM8K prompts (.gpu_check/gsm8k_test.jsonl; without it GSM8K-shaped generated problems):
-  two rlhf.step.train_step's each; per phase (sampling, log-probs, update) seconds and peak memory, next to
+Parts, in the order of answers per second, each timed with the device synchronised (`parts.<name>` in the JSON),
+each with its memory (`memory`: the baseline once the previous part is freed, the allocator's allocated and
+reserved peaks, and the device-level peak, polled: what the CUDA context and the allocator's slack add):
+- recipes: configs/gsm8k_qwen2.5_0.5b.yaml and its GRPO sibling exactly as shipped (batch, lengths, micro-batches,
+  bf16, checkpointing) on Qwen2.5-0.5B's architecture with random weights from its config, Qwen's tokenizer and
+  GSM8K prompts (.gpu_check/gsm8k_test.jsonl; without it GSM8K-shaped generated problems): two
+  rlhf.step.train_step's each; per phase (sampling, log-probs, update) seconds and peak memory, next to
   bench/recipe_memory.py's computation for the same prompt length. A random model never samples EOS, so every
   response runs to 512 tokens: the worst case;
-- memory_sweep: the PPO recipe's update on 32 of its responses at each actor.ppo_micro_batch_size of 1-32:
-  peak memory against the memory model (an out-of-memory is recorded, not fatal);
-- checkpoint: the PPO recipe's checkpoint (float32 actor and critic, AdamW moments) written once: seconds, GiB.
+- lora_recipes: the LoRA recipes (configs/*_lora.yaml) the same way, where the checkout has rlhf/lora.py;
+- settings_80gb: each recipe with its 80 GB column's sizes (bench/recipe_memory.fitting_overrides: larger
+  micro-batches, no checkpointing) on one mini-batch of prompts, two steps: per phase peak against the model;
+- evaluation: the greedy evaluation at each recipe's evaluation batch and response length, the actor alone:
+  seconds, tokens/s and the peak above the weights against the model's;
+- decoding: the eager static-cache loop under bf16 autocast at batch sizes 1-256, 128 tokens: the prefill's time
+  apart from the per-token time, the device's copy bandwidth measured, and the floor it sets (the bf16 weights
+  and the KV cache read once a token); the reference loop at one size;
+- memory_sweep: the PPO recipe's update on 32 of its responses at each actor.ppo_micro_batch_size of 1-32, with
+  gradient checkpointing on and off: peak memory against the model (an out-of-memory is recorded, not fatal);
+- compiled_decoding: the compiled one-token step (`decode.decode(..., compiled=True)`, a CUDA graph) at batch
+  256: its compile time, its per-token time beside the eager loop's, its greedy tokens against the eager ones;
+- checkpoint: the PPO recipe's checkpoint (float32 actor and critic, AdamW moments) written once: seconds, GiB;
+- cuda_tests: the tests marked `cuda` (tests/test_cuda.py), run in this process by pytest;
+- embedded_default: configs/tiny.yaml trained on the device for its 40 steps (the warm start from .gpu_check/,
+  else built first, ~2 min on one CPU thread): held-out accuracy at step 0 and at the end, seconds a step.
 With --real (network needed): the base model's greedy accuracy on all 1,319 test problems (strict and
 flexible) and the PPO recipe's first --steps steps against verl's reference curve (docs/gpu.md).
 
@@ -37,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import glob
 import importlib
 import json
@@ -46,12 +55,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREPARED = os.path.join(REPO, ".gpu_check")
-PARTS = ("cuda_tests", "embedded_default", "decode_sweep", "recipes", "memory_sweep", "checkpoint")
+PARTS = ("recipes", "lora_recipes", "settings_80gb", "evaluation", "decoding", "memory_sweep", "compiled_decoding",
+         "checkpoint", "cuda_tests", "embedded_default")
+LORA_RECIPES = {"ppo": "gsm8k_qwen2.5_0.5b_lora.yaml", "grpo": "gsm8k_qwen2.5_0.5b_grpo_lora.yaml"}
 NEEDED = ("torch", "transformers", "accelerate", "tokenizers", "yaml", "tqdm", "datasets")  # datasets: embedded_default
 GIB = 2**30
 # verl's Qwen2.5-0.5B-Instruct PPO log on GSM8K (docs/gpu.md): held-out accuracy by step
@@ -84,21 +96,98 @@ class Report:
         return self.budget - (time.perf_counter() - self.start)
 
     @contextlib.contextmanager
-    def part(self, name: str):
+    def part(self, name: str, device):
+        """Times the part, measures its memory (PartMemory), records its results or its error, rewrites the JSON,
+        and prints one line: status, seconds, the part's `summary` and its memory."""
         result = {"status": "running"}
         self.data["parts"][name] = result
         self.log(f"{name}: start")
         start = time.perf_counter()
+        memory = PartMemory(device)
         try:
-            yield result
+            with memory:
+                yield result, memory
             result["status"] = "ok"
+        except Skipped as e:
+            result["status"], result["note"] = "skipped", str(e)
         except Exception as e:  # a part's failure is a result; the next part runs
             result["status"], result["error"] = "failed", f"{type(e).__name__}: {e}"
             self.log(traceback.format_exc())
         finally:
             result["seconds"] = round(time.perf_counter() - start, 2)
-            self.log(f"{name}: {result['status']} in {result['seconds']:.1f} s")
+            result["memory"] = memory.result()
+            said = result.get("summary") or result.get("note") or result.get("error", "")
+            self.log(f"{name}: {result['status']} in {result['seconds']:.1f} s" + (f" | {said}" if said else "")
+                     + (f" | memory GiB: {memory.line()}" if memory.measured else ""))
             self.write()
+
+
+class Skipped(Exception):
+    """A part that cannot run here (its reason is recorded as the part's note)."""
+
+
+class PartMemory:
+    """A part's memory on a CUDA device, in GiB: `baseline` once the previous part is freed (a garbage collection
+    and the allocator's cache emptied first), the allocator's `allocated` and `reserved` peaks (`fold` keeps them
+    across the phase probes' resets), and the `device` peak (total less free memory, polled every 10 ms by a
+    thread: what the CUDA context and the allocator's slack add to the allocator's count)."""
+
+    def __init__(self, device):
+        self.device, self.measured = device, device.type == "cuda"
+        self.baseline, self.peaks, self._stop = {}, {"allocated": 0.0, "reserved": 0.0, "device": 0.0}, None
+
+    def _device_used(self) -> float:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        return (total - free) / GIB
+
+    def __enter__(self):
+        if not self.measured:
+            return self
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.baseline = {"allocated": torch.cuda.memory_allocated() / GIB,
+                         "reserved": torch.cuda.memory_reserved() / GIB, "device": self._device_used()}
+        self._stop = threading.Event()
+
+        def poll():
+            while not self._stop.wait(0.01):
+                self.peaks["device"] = max(self.peaks["device"], self._device_used())
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def fold(self) -> None:
+        """Keep the allocator's peaks so far (before a phase probe resets them)."""
+        if self.measured:
+            import torch
+
+            self.peaks["allocated"] = max(self.peaks["allocated"], torch.cuda.max_memory_allocated() / GIB)
+            self.peaks["reserved"] = max(self.peaks["reserved"], torch.cuda.max_memory_reserved() / GIB)
+
+    def __exit__(self, *exc):
+        if self.measured:
+            self.fold()
+            self._stop.set()
+            self._thread.join()
+            self.peaks["device"] = max(self.peaks["device"], self._device_used())
+        return False
+
+    def result(self) -> dict | None:
+        if not self.measured:
+            return None
+        return {"baseline": {k: round(v, 3) for k, v in self.baseline.items()},
+                **{f"{k}_peak": round(v, 3) for k, v in self.peaks.items()}}
+
+    def line(self) -> str:
+        b, p = self.baseline, self.peaks
+        return (f"baseline {b.get('allocated', 0):.2f} allocated ({b.get('device', 0):.2f} device), peaks: allocated "
+                f"{p['allocated']:.2f}, reserved {p['reserved']:.2f}, device {p['device']:.2f}")
 
 
 # ----------------------------------------------------------------------------- before anything runs
@@ -164,15 +253,16 @@ class Rows:
 
 
 class PhaseProbe:
-    """The trainer's timer with each phase's device-synchronised seconds and peak memory (CUDA only)."""
+    """The trainer's timer with each phase's device-synchronised seconds and peak memory, allocated and reserved
+    (CUDA only; the part's PartMemory keeps its own peaks across the resets)."""
 
     GROUPS = {"sampling": ("gen",), "log-probs": ("old_log_prob", "ref", "values"),
               "update": ("update_actor", "update_critic", "update_step")}
 
-    def __init__(self, device):
+    def __init__(self, device, memory: "PartMemory | None" = None):
         from rlhf.tracking import Timer
 
-        self.device, self.timer, self.peaks = device, Timer(), {}
+        self.device, self.memory, self.timer, self.peaks, self.reserved = device, memory, Timer(), {}, {}
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -180,12 +270,15 @@ class PhaseProbe:
 
         sync(self.device)
         if self.device.type == "cuda":
+            if self.memory is not None:
+                self.memory.fold()
             torch.cuda.reset_peak_memory_stats()
         with self.timer(name):
             yield
             sync(self.device)
         if self.device.type == "cuda":
             self.peaks[name] = max(self.peaks.get(name, 0), torch.cuda.max_memory_allocated() / GIB)
+            self.reserved[name] = max(self.reserved.get(name, 0), torch.cuda.max_memory_reserved() / GIB)
 
     @property
     def seconds(self):
@@ -200,7 +293,9 @@ class PhaseProbe:
             present = [n for n in names if n in self.timer.seconds]
             if present:
                 out[phase] = {"seconds": round(sum(self.timer.seconds[n] for n in present), 3),
-                              "peak_gib": max((self.peaks[n] for n in present if n in self.peaks), default=None)}
+                              "peak_gib": max((round(self.peaks[n], 3) for n in present if n in self.peaks), default=None),
+                              "reserved_gib": max((round(self.reserved[n], 3) for n in present if n in self.reserved),
+                                                  default=None)}
         return out
 
 
@@ -262,15 +357,17 @@ def prompt_rows(tokenizer, questions, truths, max_prompt_length: int) -> Rows:
     return Rows({"input_ids": [ids[i] for i in keep], "ground_truth": [truths[i] for i in keep]})
 
 
-def recipe_config(args, name: str, model_dir: str, out_dir: str, extra=()):
-    """The recipe as shipped, with only where the model is and where the run writes; --toy shrinks it."""
+def recipe_config(args, name: str, model_dir: str, out_dir: str, extra=(), lora: bool = False):
+    """The recipe as shipped (`lora`: its LoRA sibling), with only where the model is and where the run writes;
+    --toy shrinks it, and `extra` comes last."""
     from rlhf.config import load_config
 
-    path = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml" if name == "ppo" else "gsm8k_qwen2.5_0.5b_grpo.yaml")
+    file = (LORA_RECIPES[name] if lora else
+            "gsm8k_qwen2.5_0.5b.yaml" if name == "ppo" else "gsm8k_qwen2.5_0.5b_grpo.yaml")
     toy = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
-           "rollout.log_prob_micro_batch_size=2", "data.max_response_length=16"] if args.toy else []
-    return load_config(path, [f"model.path={model_dir}", f"trainer.output_dir={out_dir}", "trainer.logger=none",
-                              *toy, *extra])
+           "rollout.log_prob_micro_batch_size=2", "data.max_response_length=16", "data.val_batch_size=4"] if args.toy else []
+    return load_config(os.path.join(REPO, "configs", file), [f"model.path={model_dir}", f"trainer.output_dir={out_dir}",
+                                                             "trainer.logger=none", *toy, *extra])
 
 
 def fresh_accelerator(cfg, device):
@@ -309,8 +406,7 @@ def cuda_tests(result, args) -> None:
     import pytest
 
     if args.device != "cuda":
-        result["note"] = "not run: the tests marked cuda need a CUDA device"
-        return
+        raise Skipped("the tests marked cuda need a CUDA device")
     outcomes = {}
 
     class Collect:
@@ -322,6 +418,7 @@ def cuda_tests(result, args) -> None:
                        plugins=[Collect()])
     result.update(exit_code=int(code), tests=outcomes, passed=sum(o == "passed" for o in outcomes.values()),
                   failed=sum(o != "passed" for o in outcomes.values()))
+    result["summary"] = f"{result['passed']} passed, {result['failed']} failed"
     if code != 0:
         raise RuntimeError(f"pytest exit code {int(code)}: {result['failed']} failed")
 
@@ -350,62 +447,22 @@ def embedded_default(result, args, tmp: str) -> None:
     result.update(wall_s=round(time.perf_counter() - start, 1), steps=len(steps), accuracy_by_step=accuracy,
                   median_step_s=sorted(r["timing_s/step"] for r in steps)[len(steps) // 2],
                   cpu_reference="docs/results.md, 'The embedded default': accuracy rises over the 40 steps on CPU")
+    result["summary"] = (f"{len(steps)} steps, median {result['median_step_s']:.2f} s a step; held-out accuracy "
+                         + ", ".join(f"step {k}: {v:.3f}" for k, v in accuracy.items()))
 
 
-def decode_sweep(result, args, model_dir: str, tokenizer, rows: Rows, report: Report) -> None:
-    import torch
-
-    from rlhf import decode
-    from rlhf.models import load_causal_lm
-    from rlhf.rollout import SamplingParams, _decode, left_pad, next_token
-
-    device = torch.device(args.device)
-    model = load_causal_lm(model_dir, "float32").to(device).eval()
-    tokens = 16 if args.toy else 128
-    sizes = [1, 4, 16] if args.toy else [1, 8, 32, 128, 256, 512, 1319]
-    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    autocast = device.type == "cuda"
-    runs = []
-
-    def timed(batch_size: int, loop: str) -> dict:
-        ids, mask = left_pad(rows[list(range(batch_size))]["input_ids"], tokenizer.pad_token_id)
-        ids, mask = ids.to(device), mask.to(device)
-        generator = torch.Generator(device=device).manual_seed(0)
-        sync(device)
-        start = time.perf_counter()
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            if loop == "compiled":
-                decode.decode(model, ids, mask, tokens, lambda logits: next_token(logits, params, generator), 1.0,
-                              None, tokenizer.pad_token_id, generator, compiled=True)
-            else:
-                _decode(model, ids, mask, params, None, tokenizer.pad_token_id, torch.all, generator,
-                        reference=loop == "reference")
-        sync(device)
-        seconds = time.perf_counter() - start
-        return {"loop": loop, "batch": batch_size, "prompt_width": ids.shape[1], "seconds": round(seconds, 3),
-                "ms_per_token": round(seconds / tokens * 1e3, 3), "tokens_per_s": round(batch_size * tokens / seconds)}
-
-    timed(sizes[0], "static")  # warm-ups
-    timed(sizes[0], "reference")
-    result.update(tokens=tokens, autocast_bf16=autocast, runs=runs)
-    for loop, batch_size in [*(("static", b) for b in sizes), ("reference", sizes[1]), ("reference", sizes[-3])]:
-        runs.append(timed(batch_size, loop))
-        report.write()  # a run cut short keeps the sizes done
-    if args.toy:  # compiling takes ~30 s on a CPU: tests/test_decode.py's slow test covers the compiled step there
-        return
-    if report.seconds_left() < 120:
-        result["compiled_note"] = "not run: less than 120 s of --budget left"
-        return
-    start = time.perf_counter()
-    try:
-        timed(sizes[-3], "compiled")
-        result["compile_s"] = round(time.perf_counter() - start, 1)
-        runs.append(timed(sizes[-3], "compiled"))
-    except Exception as e:  # the compiled step is optional: the trainer runs the eager one
-        result["compiled_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+def model_shape(args, model) -> dict:
+    """The memory model's shape of `model` (Qwen2.5-0.5B's, or the toy's)."""
+    c = model.config
+    return dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                vocab_size=c.vocab_size, tie_word_embeddings=True)
 
 
-def recipes(result, args, model_dir: str, rows: Rows, tmp: str, report: Report) -> None:
+def train_steps(args, cfg, rows: Rows, memory: PartMemory, report: Report, record: dict, num_steps: int = 2) -> None:
+    """`num_steps` rlhf.step.train_step's of `cfg` (the second is the one with AdamW's moments in place): into
+    `record`, per step its seconds and each phase's seconds and peaks; then the model's computation per phase
+    for the longest prompt, and the measured peak."""
     import torch
 
     from rlhf.step import plan_step, train_step
@@ -413,41 +470,233 @@ def recipes(result, args, model_dir: str, rows: Rows, tmp: str, report: Report) 
     device = torch.device(args.device)
     rm = memory_model()
     widths = sorted(len(x) for x in rows.columns["input_ids"])
+    accelerator = fresh_accelerator(cfg, device)
+    run = build_run(cfg, rows, accelerator)
+    plan = plan_step(cfg, accelerator.mixed_precision)
+    steps = record["steps"] = []
+    for step in range(1, num_steps + 1):
+        probe = PhaseProbe(device, memory)
+        sync(device)
+        start = time.perf_counter()
+        metrics = train_step(cfg, plan, accelerator, run, step, probe).metrics
+        sync(device)
+        steps.append({"seconds": round(time.perf_counter() - start, 2), "phases": probe.phases(),
+                      "response_length": metrics["response_length/mean"], "kl_full": metrics.get("kl/full")})
+        report.write()
+    computed = rm.memory(cfg, shape=model_shape(args, run.models[0]), prompt_tokens=min(widths[-1], cfg.data.max_prompt_length))
+    peaks = [phase["peak_gib"] for phase in steps[-1]["phases"].values() if phase["peak_gib"]]
+    record.update(
+        prompts=cfg.data.train_batch_size, responses=cfg.data.train_batch_size * cfg.rollout.n,
+        mixed_precision=cfg.trainer.mixed_precision, gradient_checkpointing=cfg.model.gradient_checkpointing,
+        micro_batches={"actor.ppo_micro_batch_size": cfg.actor.ppo_micro_batch_size,
+                       "rollout.log_prob_micro_batch_size": cfg.rollout.log_prob_micro_batch_size},
+        computed_peak_gib={p: round(computed[p], 2) for p in rm.PHASES if p != "evaluation"},
+        peak_gib=max(peaks) if peaks else None)
+    del run, accelerator
+
+
+def steps_line(name: str, record: dict) -> str:
+    """One recipe's numbers for the part's line: the last step's seconds per phase and its peak against the model."""
+    last = record["steps"][-1]
+    phases = ", ".join(f"{p} {v['seconds']:.1f}" for p, v in last["phases"].items())
+    peak = "" if record["peak_gib"] is None else f"; peak {record['peak_gib']:.2f} GiB"
+    computed = max(record["computed_peak_gib"].values())
+    return f"{name}: step {last['seconds']:.1f} s ({phases}){peak}, computed {computed:.2f}"
+
+
+def recipes(result, args, model_dir: str, rows: Rows, tmp: str, report: Report, memory: PartMemory,
+            lora: bool = False) -> None:
+    if lora and importlib.util.find_spec("rlhf.lora") is None:
+        raise Skipped("this checkout has no rlhf/lora.py")
+    lines = []
+    for name in ("ppo", "grpo"):
+        cfg = recipe_config(args, name, model_dir, os.path.join(tmp, name), lora=lora)
+        result[name] = {}
+        train_steps(args, cfg, rows, memory, report, result[name])
+        lines.append(steps_line(name, result[name]))
+    widths = sorted(len(x) for x in rows.columns["input_ids"])
+    result["prompt_tokens"] = {"min": widths[0], "median": widths[len(widths) // 2], "max": widths[-1]}
+    result["summary"] = "; ".join(lines)
+
+
+def settings_80gb(result, args, model_dir: str, rows: Rows, tmp: str, report: Report, memory: PartMemory) -> None:
+    """Each recipe with the sizes of the memory model's 80 GB column, on one mini-batch of prompts: the update's
+    peak is a micro-batch's, whatever the batch."""
+    rm = memory_model()
+    lines = []
+    for name in ("ppo", "grpo"):
+        overrides = rm.fitting_overrides(name, 80, "none", 1)
+        base = recipe_config(args, name, model_dir, os.path.join(tmp, name))
+        one_mini_batch = [f"data.train_batch_size={base.actor.ppo_mini_batch_size}"]
+        cfg = recipe_config(args, name, model_dir, os.path.join(tmp, name), [*overrides, *one_mini_batch])
+        result[name] = {"overrides": overrides + one_mini_batch}
+        train_steps(args, cfg, rows, memory, report, result[name])
+        lines.append(steps_line(name, result[name]))
+    result["summary"] = "; ".join(lines)
+
+
+def evaluation(result, args, model_dir: str, tokenizer, rows: Rows, tmp: str, report: Report, memory: PartMemory) -> None:
+    """One greedy evaluation batch of each recipe (data.val_batch_size prompts, data.max_response_length tokens,
+    bf16 autocast), the actor alone: the peak above its weights against the model's evaluation less static."""
+    import torch
+
+    from rlhf.models import load_causal_lm
+    from rlhf.rollout import SamplingParams, generate, left_pad
+
+    device = torch.device(args.device)
+    rm = memory_model()
+    model = load_causal_lm(model_dir, "float32").to(device).eval()
+    lines = []
     for name in ("ppo", "grpo"):
         cfg = recipe_config(args, name, model_dir, os.path.join(tmp, name))
-        accelerator = fresh_accelerator(cfg, device)
-        run = build_run(cfg, rows, accelerator)
-        plan = plan_step(cfg, accelerator.mixed_precision)
-        steps = []
-        for step in (1, 2):
-            probe = PhaseProbe(device)
-            sync(device)
-            start = time.perf_counter()
-            metrics = train_step(cfg, plan, accelerator, run, step, probe).metrics
-            sync(device)
-            steps.append({"seconds": round(time.perf_counter() - start, 2), "phases": probe.phases(),
-                          "response_length": metrics["response_length/mean"], "kl_full": metrics.get("kl/full")})
-            result[name] = {"steps": steps}
-            report.write()
-        computed = rm.memory(cfg, shape=rm.QWEN2_5_0_5B, prompt_tokens=widths[-1]) if not args.toy else None
-        peaks = [phase["peak_gib"] for step in steps for phase in step["phases"].values() if phase["peak_gib"]]
-        result[name].update(
-            prompts=cfg.data.train_batch_size, responses=cfg.data.train_batch_size * cfg.rollout.n,
-            mixed_precision=cfg.trainer.mixed_precision, micro_batches={
-                "actor.ppo_micro_batch_size": cfg.actor.ppo_micro_batch_size,
-                "rollout.log_prob_micro_batch_size": cfg.rollout.log_prob_micro_batch_size},
-            computed_peak_gib=None if computed is None else {p: round(computed[p], 2) for p in rm.PHASES},
-            peak_gib=max(peaks) if peaks else None)
-        del run
+        size = min(cfg.data.val_batch_size, len(rows))
+        ids, mask = left_pad(rows[list(range(size))]["input_ids"], tokenizer.pad_token_id)
+        computed = rm.memory(cfg, shape=model_shape(args, model), prompt_tokens=ids.shape[1])
+        memory.fold()
         if device.type == "cuda":
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    result["prompt_tokens"] = {"min": widths[0], "median": widths[len(widths) // 2], "max": widths[-1]}
+        weights = torch.cuda.memory_allocated() / GIB if device.type == "cuda" else None
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            seq = generate(model, tokenizer, ids.to(device), mask.to(device),
+                           SamplingParams(cfg.data.max_response_length, greedy=True))
+        sync(device)
+        seconds = time.perf_counter() - start
+        tokens = int(seq.response_mask.sum())
+        record = result[name] = {
+            "batch": size, "prompt_width": ids.shape[1], "response_tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds), "computed_above_static_gib": round(computed["evaluation"] - computed["static"], 3)}
+        line = f"{name}: batch {size}, {seconds:.1f} s, {tokens / seconds:,.0f} tokens/s"
+        if device.type == "cuda":
+            record["peak_above_weights_gib"] = round(torch.cuda.max_memory_allocated() / GIB - weights, 3)
+            line += (f", {record['peak_above_weights_gib']:.2f} GiB above the weights "
+                     f"(computed {record['computed_above_static_gib']:.2f})")
+        lines.append(line)
+        del seq
+        report.write()
+    result["summary"] = "; ".join(lines)
 
 
-def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
+def copy_bandwidth(device) -> float:
+    """The device's copy bandwidth, bytes read + written per second, over ten copies of 1 GiB (toy: 64 MiB)."""
+    import torch
+
+    x = torch.empty((2**28 if device.type == "cuda" else 2**24,), device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync(device)
+    return 2 * 10 * x.numel() * x.element_size() / (time.perf_counter() - start)
+
+
+def decode_floor_s(model, batch: int, context: int, bandwidth: float) -> float:
+    """Seconds a token cannot beat at `batch`: the bf16 weights (autocast's copies) and each sequence's KV cache
+    of `context` tokens (float32 keys; bf16 values on transformers 5.2x, float32 on 5.17) read once, at the copy
+    bandwidth."""
+    c = model.config
+    kv_width = c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    weights = 2 * sum(p.numel() for p in model.parameters())
+    value_bytes = 2 if memory_model().cache_keeps_value_dtype() else 4
+    cache = batch * context * c.num_hidden_layers * kv_width * (4 + value_bytes)
+    return (weights + cache) / bandwidth
+
+
+def decoding(result, args, model_dir: str, tokenizer, rows: Rows, report: Report) -> None:
+    """The eager static-cache loop (and the reference loop at one size): the prefill timed apart from the tokens
+    after it, against the floor the measured copy bandwidth sets."""
+    import torch
+
+    from rlhf.models import load_causal_lm
+    from rlhf.rollout import SamplingParams, _decode, left_pad
+
+    device = torch.device(args.device)
+    model = load_causal_lm(model_dir, "float32").to(device).eval()
+    tokens = 16 if args.toy else 128
+    sizes = [1, 4, 16] if args.toy else [1, 8, 32, 128, 256]
+    autocast = device.type == "cuda"
+    bandwidth = copy_bandwidth(device)
+    result.update(tokens=tokens, autocast_bf16=autocast, copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), runs=[])
+
+    def timed(batch_size: int, loop: str, new_tokens: int) -> float:
+        ids, mask = (t.to(device) for t in left_pad(rows[list(range(batch_size))]["input_ids"], tokenizer.pad_token_id))
+        generator = torch.Generator(device=device).manual_seed(0)
+        sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            _decode(model, ids, mask, sampling, None, tokenizer.pad_token_id, torch.all, generator,
+                    reference=loop == "reference")
+        sync(device)
+        return time.perf_counter() - start
+
+    timed(sizes[0], "static", tokens)  # warm-ups
+    timed(sizes[0], "reference", tokens)
+    lines = []
+    for loop, batch_size in [*(("static", b) for b in sizes), ("reference", sizes[1])]:
+        prefill = timed(batch_size, loop, 1)  # the prompts' forward pass and one token drawn
+        total = timed(batch_size, loop, tokens)
+        per_token = (total - prefill) / (tokens - 1)
+        width = max(len(ids) for ids in rows[list(range(batch_size))]["input_ids"])
+        floor = decode_floor_s(model, batch_size, width + tokens // 2, bandwidth)
+        result["runs"].append({"loop": loop, "batch": batch_size, "prompt_width": width, "prefill_s": round(prefill, 4),
+                               "ms_per_token": round(per_token * 1e3, 3), "floor_ms_per_token": round(floor * 1e3, 4),
+                               "times_floor": round(per_token / floor, 1),
+                               "tokens_per_s": round(batch_size / per_token)})
+        if loop == "static" and batch_size in (sizes[0], sizes[-1]) or loop == "reference":
+            lines.append(f"{loop} b{batch_size}: prefill {prefill * 1e3:.0f} ms, {per_token * 1e3:.2f} ms/token "
+                         f"(floor {floor * 1e3:.3f}, x{per_token / floor:.0f})")
+        report.write()  # a run cut short keeps the sizes done
+    result["summary"] = f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s; " + "; ".join(lines)
+
+
+def compiled_decoding(result, args, model_dir: str, tokenizer, rows: Rows, report: Report) -> None:
+    """The compiled one-token step at one batch size: compile time, per-token time beside the eager loop's, and
+    its greedy tokens against the eager ones (equal up to float rounding: the attention reads the whole cache)."""
+    import torch
+
+    from rlhf import decode
+    from rlhf.models import load_causal_lm
+    from rlhf.rollout import SamplingParams, left_pad, next_token
+
+    if args.toy:  # compiling takes ~30 s on a CPU: tests/test_decode.py covers the compiled step there
+        raise Skipped("not at toy size: tests/test_decode.py compiles the step on the CPU")
+    if report.seconds_left() < 120:
+        raise Skipped("less than 120 s of --budget left")
+    device = torch.device(args.device)
+    model = load_causal_lm(model_dir, "float32").to(device).eval()
+    tokens, batch_size = 128, 256
+    params = SamplingParams(max_new_tokens=tokens, greedy=True)
+    ids, mask = left_pad(rows[list(range(batch_size))]["input_ids"], tokenizer.pad_token_id)
+    ids, mask = ids.to(device), mask.to(device)
+
+    def run(compiled: bool, new_tokens: int = tokens):
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+            out = decode.decode(model, ids, mask, new_tokens, lambda logits: next_token(logits, params), 1.0, None,
+                                tokenizer.pad_token_id, compiled=compiled)[0]
+        sync(device)
+        return out, time.perf_counter() - start
+
+    eager, eager_s = run(False)
+    _, compile_s = run(True)  # the first call compiles (and records the CUDA graph)
+    compiled, compiled_s = run(True)
+    _, prefill_s = run(False, 1)
+    per_token = {"eager": (eager_s - prefill_s) / (tokens - 1), "compiled": (compiled_s - prefill_s) / (tokens - 1)}
+    same = (eager == compiled).float().mean().item()
+    result.update(batch=batch_size, tokens=tokens, compile_s=round(compile_s, 1), greedy_tokens_equal=round(same, 4),
+                  ms_per_token={k: round(v * 1e3, 3) for k, v in per_token.items()})
+    result["summary"] = (f"b{batch_size}: compile {compile_s:.0f} s; {per_token['compiled'] * 1e3:.2f} ms/token against "
+                         f"eager {per_token['eager'] * 1e3:.2f}; greedy tokens equal {same:.1%}")
+
+
+def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str, memory: PartMemory) -> None:
     """The update alone (rlhf.step's advantages and PPO epochs) on one rollout batch of 32 responses, per
-    micro-batch size."""
+    micro-batch size, with gradient checkpointing on and off."""
     import torch
 
     from rlhf.processes import sum_over_processes
@@ -459,47 +708,52 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
     sizes = [1, 2, 4] if args.toy else [1, 2, 4, 8, 16, 32]
     base = ["data.train_batch_size=" + str(responses), f"actor.ppo_mini_batch_size={responses}",
             f"rollout.log_prob_micro_batch_size={min(responses, 8)}"]
-    cfg = recipe_config(args, "ppo", model_dir, os.path.join(tmp, "sweep"), base)
-    accelerator = fresh_accelerator(cfg, device)
-    run = build_run(cfg, rows, accelerator)
-    prompts = rows[list(range(responses))]
-    plan = plan_step(cfg, accelerator.mixed_precision)
-    batch = rollout(cfg, plan, accelerator, run.models, run.tokenizer, prompts,
-                    torch.arange(responses, device=accelerator.device), None, PhaseProbe(device))
-    scores = torch.zeros(responses, device=accelerator.device)
-    _, batch.token_rewards, batch.advantages, batch.returns = rewards_to_advantages(
-        cfg, plan, batch, scores, run.kl_ctrl.value, sum_over_processes(accelerator))
-    sweep = []
-    for micro in sizes:
-        cfg_micro = recipe_config(args, "ppo", model_dir, os.path.join(tmp, "sweep"),
-                                  [*base, f"actor.ppo_micro_batch_size={micro}"])
-        entry = {"micro_batch": micro}
-        computed = rm.memory(cfg_micro, shape=rm.QWEN2_5_0_5B if not args.toy else _toy_shape(run),
-                             prompt_tokens=batch.seq.prompt_ids.shape[1])
-        entry["computed_update_gib"] = round(computed["update"], 3)
-        try:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            ppo_epochs(cfg_micro, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
-            sync(device)
-            entry["seconds"] = round(time.perf_counter() - start, 2)
-            if device.type == "cuda":
-                entry["measured_update_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
-                entry["error"] = round(entry["computed_update_gib"] / entry["measured_update_gib"] - 1, 3)
-        except torch.OutOfMemoryError:
-            entry["measured_update_gib"] = "out of memory"
-        sweep.append(entry)
-        result["sweep"] = sweep
-    result["prompt_width"] = batch.seq.prompt_ids.shape[1]
-
-
-def _toy_shape(run) -> dict:
-    c = run.models[0].config
-    return dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                vocab_size=c.vocab_size, tie_word_embeddings=True)
+    lines = []
+    for checkpointing in (True, False):
+        flag = f"model.gradient_checkpointing={str(checkpointing).lower()}"
+        cfg = recipe_config(args, "ppo", model_dir, os.path.join(tmp, "sweep"), [*base, flag])
+        accelerator = fresh_accelerator(cfg, device)
+        run = build_run(cfg, rows, accelerator)
+        plan = plan_step(cfg, accelerator.mixed_precision)
+        batch = rollout(cfg, plan, accelerator, run.models, run.tokenizer, rows[list(range(responses))],
+                        torch.arange(responses, device=accelerator.device), None, PhaseProbe(device))
+        scores = torch.zeros(responses, device=accelerator.device)
+        _, batch.token_rewards, batch.advantages, batch.returns = rewards_to_advantages(
+            cfg, plan, batch, scores, run.kl_ctrl.value, sum_over_processes(accelerator))
+        # AdamW's moments are made at the first optimizer step: one update first, so every size counts them
+        ppo_epochs(cfg, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
+        sweep = result["checkpointing" if checkpointing else "no_checkpointing"] = []
+        for micro in sizes:
+            cfg_micro = recipe_config(args, "ppo", model_dir, os.path.join(tmp, "sweep"),
+                                      [*base, flag, f"actor.ppo_micro_batch_size={micro}"])
+            computed = rm.memory(cfg_micro, shape=model_shape(args, run.models[0]),
+                                 prompt_tokens=batch.seq.prompt_ids.shape[1])
+            entry = {"micro_batch": micro, "computed_update_gib": round(computed["update"], 6)}
+            try:
+                memory.fold()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                ppo_epochs(cfg_micro, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
+                sync(device)
+                entry["seconds"] = round(time.perf_counter() - start, 2)
+                if device.type == "cuda":
+                    entry["measured_update_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+                    entry["reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 3)
+                    entry["error"] = round(entry["computed_update_gib"] / entry["measured_update_gib"] - 1, 3)
+            except torch.OutOfMemoryError:
+                entry["measured_update_gib"] = "out of memory"
+            sweep.append(entry)
+        result["prompt_width"] = batch.seq.prompt_ids.shape[1]
+        errors = [e["error"] for e in sweep if "error" in e]
+        lines.append(f"checkpointing {'on' if checkpointing else 'off'}: micro {sizes[0]}-{sizes[-1]}"
+                     + (f", model error {min(errors):+.0%} to {max(errors):+.0%}" if errors else "")
+                     + "".join(f", micro {e['micro_batch']} out of memory" for e in sweep
+                               if e.get("measured_update_gib") == "out of memory"))
+        del run, accelerator, batch
+        gc.collect()
+    result["summary"] = "; ".join(lines)
 
 
 def checkpoint(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
@@ -523,23 +777,28 @@ def checkpoint(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
     os.sync()
     result["seconds_to_write"] = round(time.perf_counter() - start, 2)
     result["gib"] = round(sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs) / GIB, 3)
+    result["summary"] = f"{result['gib']:.2f} GiB written in {result['seconds_to_write']:.1f} s"
+    del run, accelerator
     shutil.rmtree(cfg.trainer.output_dir, ignore_errors=True)
 
 
 def real_mode(report, args, tmp: str) -> None:
     """A networked machine: the base model's greedy accuracy on GSM8K's test set, then the PPO recipe's first steps."""
+    import torch
+
     import train
     from rlhf.config import load_config
     from rlhf.tracking import read_metrics
 
     recipe = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")
     out = os.path.join(args.out, "real_run")
-    with report.part("real_base_accuracy") as result:
+    device = torch.device(args.device)
+    with report.part("real_base_accuracy", device) as (result, _):
         from rlhf.evaluate import evaluate_models
 
         evaluated = evaluate_models(load_config(recipe, []), {"model": "Qwen/Qwen2.5-0.5B-Instruct"}, recipe)
         result.update(num_problems=evaluated["num_problems"], metrics=evaluated["metrics"]["model"])
-    with report.part("real_first_steps") as result:
+    with report.part("real_first_steps", device) as (result, _):
         train.main(load_config(recipe, [f"trainer.output_dir={out}", f"trainer.total_steps={args.steps}",
                                         "trainer.logger=none", "trainer.save_freq=0"]))
         rows = read_metrics(os.path.join(out, "metrics.jsonl"))
@@ -598,35 +857,37 @@ def main(argv: list[str] | None = None) -> int:
         if args.real:
             real_mode(report, args, tmp)
         else:
-            if wanted("cuda_tests"):
-                with report.part("cuda_tests") as result:
-                    cuda_tests(result, args)
-            if wanted("embedded_default"):
-                with report.part("embedded_default") as result:
-                    embedded_default(result, args, tmp)
-            if set(args.parts) & {"decode_sweep", "recipes", "memory_sweep", "checkpoint"}:
+            if set(args.parts) - {"cuda_tests", "embedded_default"}:
                 model_dir, tokenizer = qwen_parts(args, tmp)
                 questions, truths, source = gsm8k_questions(args)
                 rows = prompt_rows(tokenizer, questions, truths, 512)
                 widths = sorted(len(ids) for ids in rows.columns["input_ids"])
                 report.data["prompts"] = {"source": source, "rows": len(rows), "tokens_min": widths[0],
                                           "tokens_median": widths[len(widths) // 2], "tokens_max": widths[-1]}
-            for name, fn in (("decode_sweep", lambda r: decode_sweep(r, args, model_dir, tokenizer, rows, report)),
-                             ("recipes", lambda r: recipes(r, args, model_dir, rows, tmp, report)),
-                             ("memory_sweep", lambda r: memory_sweep(r, args, model_dir, rows, tmp)),
-                             ("checkpoint", lambda r: checkpoint(r, args, model_dir, rows, tmp))):
+            parts = {
+                "recipes": lambda r, m: recipes(r, args, model_dir, rows, tmp, report, m),
+                "lora_recipes": lambda r, m: recipes(r, args, model_dir, rows, tmp, report, m, lora=True),
+                "settings_80gb": lambda r, m: settings_80gb(r, args, model_dir, rows, tmp, report, m),
+                "evaluation": lambda r, m: evaluation(r, args, model_dir, tokenizer, rows, tmp, report, m),
+                "decoding": lambda r, m: decoding(r, args, model_dir, tokenizer, rows, report),
+                "memory_sweep": lambda r, m: memory_sweep(r, args, model_dir, rows, tmp, m),
+                "compiled_decoding": lambda r, m: compiled_decoding(r, args, model_dir, tokenizer, rows, report),
+                "checkpoint": lambda r, m: checkpoint(r, args, model_dir, rows, tmp),
+                "cuda_tests": lambda r, m: cuda_tests(r, args),
+                "embedded_default": lambda r, m: embedded_default(r, args, tmp),
+            }
+            for name in PARTS:
                 if wanted(name):
-                    with report.part(name) as result:
-                        fn(result)
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
+                    with report.part(name, device) as (result, memory):  # its memory: after the previous part's is freed
+                        parts[name](result, memory)
     report.data["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report.write()
     status = {name: part["status"] for name, part in report.data["parts"].items()}
-    failed, skipped = ([n for n, st in status.items() if st == kind] for kind in ("failed", "skipped"))
+    failed = [n for n, st in status.items() if st == "failed"]
+    skipped = [f"{n} ({report.data['parts'][n]['note']})" for n, st in status.items() if st == "skipped"]
     report.log(f"done: {sum(st == 'ok' for st in status.values())} part(s) ok"
                + (f", failed: {', '.join(failed)}" if failed else "")
-               + (f", skipped (over the budget): {', '.join(skipped)}" if skipped else ""))
+               + (f", skipped: {', '.join(skipped)}" if skipped else ""))
     return 1 if failed else 0
 
 

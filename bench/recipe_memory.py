@@ -12,15 +12,15 @@ memory held throughout (weights, AdamW's moments, the reference: `static`) plus 
   product), the copy of the prompts' cache into the static cache (rlhf/decode.py: both at once), and the decoding
   (the static cache, the last position's logits and the sampler's float32 noise, a few (B, V) tensors);
 - the rollout's log-prob pass, per micro-batch of rollout.log_prob_micro_batch_size: the actor's and the
-  reference's logits alive together (for the exact KL), and the larger of two moments: the log-probs' (the flat
-  copy core_algos._row_chunks makes of the sliced logits, float32 chunks of LOGITS_CHUNK_ROWS rows) and the
-  exact KL's (flat copies of both logits, its 256-row float32 chunks);
+  reference's logits alive together (for the exact KL), and the larger of two moments: the log-probs' (float32
+  blocks of LOGITS_CHUNK_ROWS rows, read from the logits as they are) and the exact KL's (flat copies of both
+  logits, its 256-row float32 chunks);
 - the update, per micro-batch of actor.ppo_micro_batch_size: the gradients of the actor and the critic
   (allocated at the first backward, freed after each optimizer step), the autocast copy of the weights, and what
-  autograd keeps between the forward and the backward: the logits, their float32 copy (torch.logsumexp keeps
-  each chunk's float32 input, so the whole micro-batch's logits exist in float32 until the backward), the
-  layers' inputs (gradient checkpointing) or all their activations, and at the backward's start the logits'
-  gradient (twice: the chunks' and their concatenation);
+  autograd keeps between the forward and the backward: the logits (in the compute dtype; the log-probs and the
+  entropy recompute their float32 blocks in the backward, core_algos), the layers' inputs (gradient
+  checkpointing) or all their activations; and the larger of two moments: the forward's float32 blocks, and the
+  backward's start, where the log-probs' (B, R, V) gradient and float32 blocks exist beside the logits;
 - the optimizer step: fused AdamW's temporaries, one parameter tensor's size (small).
 With several processes: DDP adds its gradient buckets (a second copy of the gradients, 25 MB buckets packed
 from them: counted as the whole gradients' size); FSDP2 divides the actor's and the critic's weights, gradients
@@ -43,6 +43,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 from rlhf import core_algos, kl
 from rlhf.step import rollout_full_kl
@@ -64,10 +65,51 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 # The table's columns: (label, card GB as sold, sharding, processes). 80 GB+ tries checkpointing off first.
 CARDS = [("24 GB, 1 GPU", 24, "none", 1), ("24 GB, DDP", 24, "ddp", 2), ("24 GB, FSDP2 x2", 24, "fsdp", 2),
          ("40 GB, 1 GPU", 40, "none", 1), ("80 GB+, 1 GPU", 80, "none", 1)]
-RESERVED_GIB = 2.0  # the CUDA context and the allocator's slack, not computed: an allowance
+RESERVED_GIB = 2.0  # the CUDA context and the allocator's slack, not computed: an allowance (the GPU check measures it)
+MARGIN_GIB = 0.5  # what a fitting setting leaves beyond the allowance, for what the model does not count
 NUM_HELD_OUT = 1319  # GSM8K's test problems
-RECIPES = {"ppo": RECIPE, "grpo": GRPO_RECIPE}
+# The LoRA recipes: adapters of rank 32 on every linear layer, the frozen base in bf16 (docs/gpu.md)
+LORA_RECIPES = {"ppo-lora": os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b_lora.yaml"),
+                "grpo-lora": os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b_grpo_lora.yaml")}
+RECIPES = {"ppo": RECIPE, "grpo": GRPO_RECIPE, **LORA_RECIPES}
 PHASES = ("sampling", "log-prob pass", "update", "optimizer step", "evaluation")
+# The transformers versions whose KV caches differ (cache_keeps_value_dtype): the project's floor admits both
+TRANSFORMERS = ("5.17", "5.2x")
+
+
+# The linear layers of a Qwen2 decoder layer, with (inputs, outputs) as multiples of (width, KV width, MLP width)
+LINEARS = {"q_proj": ("h", "h"), "k_proj": ("h", "kv"), "v_proj": ("h", "kv"), "o_proj": ("h", "h"),
+           "gate_proj": ("h", "mlp"), "up_proj": ("h", "mlp"), "down_proj": ("mlp", "h")}
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """What the memory needs of `model.lora`: the adapters' rank, the adapted linear layers of each decoder layer,
+    and whether the critic's backbone has adapters too (its value head is trained whole)."""
+
+    rank: int
+    target_modules: tuple[str, ...] = tuple(LINEARS)
+    critic: bool = False
+
+
+def lora_of(cfg: Config) -> LoRA | None:
+    """cfg.model.lora as a LoRA (None with rank 0, or where the config has no LoRA section)."""
+    section = getattr(cfg.model, "lora", None)
+    if section is None or not section.rank:
+        return None
+    return LoRA(section.rank, tuple(section.target_modules), bool(section.critic))
+
+
+def lora_parameters(lora: LoRA, shape: dict = QWEN2_5_0_5B) -> int:
+    """The adapters' parameters on one model: rank x (inputs + outputs) for each adapted linear of each layer."""
+    h = shape["hidden_size"]
+    widths = {"h": h, "kv": shape["num_key_value_heads"] * (h // shape["num_attention_heads"]),
+              "mlp": shape["intermediate_size"]}
+    unknown = sorted(set(lora.target_modules) - set(LINEARS))
+    if unknown:
+        raise ValueError(f"unknown target module(s) {unknown}; a Qwen2 layer has {', '.join(LINEARS)}")
+    per_layer = sum(lora.rank * (widths[LINEARS[m][0]] + widths[LINEARS[m][1]]) for m in lora.target_modules)
+    return shape["num_hidden_layers"] * per_layer
 
 
 def num_parameters(shape: dict = QWEN2_5_0_5B) -> int:
@@ -96,10 +138,15 @@ def cache_keeps_value_dtype() -> bool:
 
 
 def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, sharding: str = "none",
-           mixed_precision: str | None = None, prompt_tokens: int | None = None) -> dict[str, float]:
+           mixed_precision: str | None = None, prompt_tokens: int | None = None,
+           transformers: str | None = None, lora: LoRA | None = None) -> dict[str, float]:
     """GiB per process: each row (the module docstring), 'static', each phase of PHASES and 'peak'.
     `sharding`: none (one GPU), ddp or fsdp over `num_processes`; `mixed_precision` defaults to the config's
-    trainer.mixed_precision; `prompt_tokens` to data.max_prompt_length (the longest prompt of a batch)."""
+    trainer.mixed_precision; `prompt_tokens` to data.max_prompt_length (the longest prompt of a batch);
+    `transformers` ("5.17" or "5.2x", TRANSFORMERS) sets the KV cache's value dtype, by default the installed
+    one's; `lora` the adapters (default: the config's model.lora, lora_of): the base frozen in model.dtype,
+    adapters, their gradients and AdamW moments in float32, no reference copy (the reference is the policy with its
+    adapters off)."""
     if sharding not in ("none", "ddp", "fsdp"):
         raise ValueError(f"unknown sharding {sharding!r}; choose from none, ddp, fsdp")
     h, v, layers, mlp = (shape[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size"))
@@ -113,10 +160,20 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     # float32 weights); values come from v_proj in the compute dtype, and stay so where the installed
     # transformers' cache keeps each one's dtype (5.2x; 5.17 makes the values the keys' dtype).
     key_bytes = 4 if weight == 4 else weight
-    value_bytes = compute if cache_keeps_value_dtype() else key_bytes
+    if transformers not in (None, *TRANSFORMERS):
+        raise ValueError(f"unknown transformers {transformers!r}; choose from {', '.join(TRANSFORMERS)}")
+    own_value_dtype = cache_keeps_value_dtype() if transformers is None else transformers == "5.2x"
+    value_bytes = compute if own_value_dtype else key_bytes
+    lora = lora or lora_of(cfg)
     actor = num_parameters(shape)
     critic = num_parameters(shape) + h + 1 if core_algos.needs_critic(cfg.algorithm.adv_estimator) else 0
-    need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.trainer.log_kl_panel
+    need_ref = (cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.trainer.log_kl_panel) and lora is None
+    # Trained parameters, in float32 where the base is frozen (adapters), in model.dtype where it is not
+    adapters = lora_parameters(lora, shape) if lora else 0
+    critic_adapters = adapters if lora and lora.critic and critic else 0
+    actor_trained, actor_trained_bytes = (adapters, 4) if lora else (actor, weight)
+    critic_trained, critic_trained_bytes = ((critic_adapters + h + 1, 4) if critic_adapters else (critic, weight))
+    trained_bytes = actor_trained * actor_trained_bytes + critic_trained * critic_trained_bytes
     shards = num_processes if sharding == "fsdp" else 1
     prompt = prompt_tokens or cfg.data.max_prompt_length
     tokens = prompt + cfg.data.max_response_length
@@ -125,9 +182,6 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     micro = min(cfg.actor.ppo_micro_batch_size, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // num_processes)
     log_micro = min(cfg.rollout.log_prob_micro_batch_size, batch)
     layer_params = (actor - v * h - h) / layers
-
-    def chunk(num_rows):  # rows of a float32 chunk (core_algos._row_chunks)
-        return min(LOGITS_CHUNK_ROWS, num_rows)
 
     val_batch = min(cfg.data.val_batch_size, -(-(cfg.data.max_val_samples or NUM_HELD_OUT) // num_processes))
 
@@ -143,59 +197,65 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     full_kl_loss = cfg.actor.use_kl_loss and kl.needs_logits(cfg.actor.kl_loss_type)
     out = {
         "actor weights": actor * weight / shards,
-        "actor AdamW moments": 2 * actor * weight / shards,
+        "actor adapters (float32)": adapters * 4 / shards,
+        "actor AdamW moments": 2 * actor_trained * actor_trained_bytes / shards,
         "critic weights": critic * weight / shards,
-        "critic AdamW moments": 2 * critic * weight / shards,
+        "critic adapters (float32)": critic_adapters * 4 / shards,
+        "critic AdamW moments": 2 * critic_trained * critic_trained_bytes / shards,
         "reference": actor * ref_weight if need_ref else 0,
-        "gradients (update)": (actor + critic) * weight / shards,
-        "DDP gradient buckets (update)": (actor + critic) * weight if sharding == "ddp" else 0,
+        "gradients (update)": trained_bytes / shards,
+        "DDP gradient buckets (update)": trained_bytes if sharding == "ddp" else 0,
         # one decoder layer's weights gathered whole for its forward (and its gradient before the reduce-scatter)
         "FSDP2 gathered layer": 2 * layer_params * weight if sharding == "fsdp" else 0,
-        "autocast copy of the weights (bf16)": actor * 2 if autocast and weight == 4 else 0,
+        "autocast copy of the weights (bf16)": (actor * 2 if autocast and weight == 4 else 0) + (adapters * 2 if autocast else 0),
         "KV cache (sampling)": kv_cache(batch, tokens),
         "prompts' KV cache (sampling)": kv_cache(batch, prompt),
         "prefill MLP (sampling)": 3 * batch * prompt * mlp * compute,
         "decoding step (sampling)": decoding_step(batch),
-        # the actor's and the reference's logits alive together; the contiguous copy core_algos._row_chunks makes
-        # of the (B, R, V) slice of the (B, R + 1, V) logits; the chunk divided by the temperature and
+        # the actor's and the reference's logits alive together; a float32 block divided by the temperature and
         # logsumexp's two temporaries
         "logits, log-prob pass": log_micro * rows * v * (compute + ref_compute),
-        "logits' flat copy and float32 chunks, log-prob pass": (log_micro * (rows - 1) * v * ref_compute
-                                                                 + float32_chunks(log_micro * (rows - 1), 3)),
+        "log-probs' float32 blocks, log-prob pass": float32_chunks(log_micro * (rows - 1), 3),
         # kl.full_kl (the panel's kl/full and kl/full_forward, or a `full` KL in the reward): flat copies of both
         # logits, and some 8 float32 temporaries of its 256-row chunks
         "exact KL's flat copies and chunks, log-prob pass": (
             log_micro * (rows - 1) * v * (compute + ref_compute) + 8 * min(256, log_micro * (rows - 1)) * v * 4
             if rollout_full_kl(cfg) else 0),
         "logits, update": micro * rows * v * compute,
-        # what logsumexp keeps for the backward: every chunk's float32 input, so the whole micro-batch's
-        "float32 logits kept for the backward": micro * (rows - 1) * v * 4,
-        # actor/entropy (under no_grad, chunked): the flat copy, and the chunk's division, log_softmax, exp, product
-        "entropy's flat copy and float32 chunks, update": (micro * (rows - 1) * v * compute
-                                                            + float32_chunks(micro * (rows - 1), 4)),
+        # the forward's moment: actor/entropy's block divided by the temperature, its log_softmax, exp and product
+        "float32 blocks, update forward": float32_chunks(micro * (rows - 1), 4),
+        # the backward's start: the log-probs' (B, R, V) gradient and a block's float32 softmax, product and
+        # division (the model output's (B, R + 1, V) gradient it is then copied into comes after the logits are
+        # freed: no larger)
+        "logits' gradient and float32 blocks, update backward": (micro * (rows - 1) * v * compute
+                                                                 + float32_chunks(micro * (rows - 1), 3)),
         # a `full` KL loss: the reference's logits, and the flat copies of both that kl.full_kl keeps for its backward
         "reference logits, `full` KL loss": (micro * rows * v * ref_compute
                                               + micro * (rows - 1) * v * (compute + ref_compute) if full_kl_loss else 0),
-        "layer activations kept, update": (micro * tokens * h * 4 * layers + _layer_activations(micro, tokens, h, kv_dim, mlp, compute)
-                                           if cfg.model.gradient_checkpointing
-                                           else layers * _layer_activations(micro, tokens, h, kv_dim, mlp, compute)),
+        # with checkpointing each layer's input (the residual stream, in the weights' dtype) and, while one layer
+        # is recomputed, all of its activations
+        "layer activations kept, update": micro * tokens * (
+            h * weight * layers + layer_activations(shape, weight, compute, lora) if cfg.model.gradient_checkpointing
+            else layers * layer_activations(shape, weight, compute, lora)),
         "KV cache (evaluation)": kv_cache(val_batch, tokens),
         "prompts' KV cache (evaluation)": kv_cache(val_batch, prompt),
         "decoding step (evaluation)": decoding_step(val_batch),
     }
     out = {key: value / GIB for key, value in out.items()}
     gathered = out["FSDP2 gathered layer"]
-    out["static"] = sum(out[k] for k in ("actor weights", "actor AdamW moments", "critic weights",
-                                         "critic AdamW moments", "reference"))
+    out["static"] = sum(out[k] for k in ("actor weights", "actor adapters (float32)", "actor AdamW moments",
+                                         "critic weights", "critic adapters (float32)", "critic AdamW moments",
+                                         "reference"))
     held = out["static"] + out["autocast copy of the weights (bf16)"] + gathered
     out["sampling"] = held + max(out["prompts' KV cache (sampling)"] + out["prefill MLP (sampling)"],
                                  out["prompts' KV cache (sampling)"] + out["KV cache (sampling)"],
                                  out["KV cache (sampling)"] + out["decoding step (sampling)"])
     out["log-prob pass"] = held + out["logits, log-prob pass"] + max(
-        out["logits' flat copy and float32 chunks, log-prob pass"], out["exact KL's flat copies and chunks, log-prob pass"])
+        out["log-probs' float32 blocks, log-prob pass"], out["exact KL's flat copies and chunks, log-prob pass"])
     out["update"] = (held + out["gradients (update)"] + out["DDP gradient buckets (update)"] + out["logits, update"]
-                     + out["float32 logits kept for the backward"] + out["entropy's flat copy and float32 chunks, update"]
-                     + out["reference logits, `full` KL loss"] + out["layer activations kept, update"])
+                     + out["reference logits, `full` KL loss"] + out["layer activations kept, update"]
+                     + max(out["float32 blocks, update forward"],
+                           out["logits' gradient and float32 blocks, update backward"]))
     out["optimizer step"] = out["static"] + out["gradients (update)"] + out["DDP gradient buckets (update)"]
     out["evaluation"] = held + max(out["prompts' KV cache (evaluation)"] + out["KV cache (evaluation)"],
                                    out["KV cache (evaluation)"] + out["decoding step (evaluation)"])
@@ -203,23 +263,106 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     return out
 
 
-def _layer_activations(micro: int, tokens: int, h: int, kv_dim: int, mlp: int, compute: int) -> float:
-    """Bytes one decoder layer keeps for its backward: the residual input and two norms' outputs (float32 and the
-    compute dtype), q, k, v and their rotated copies, the attention output, and the MLP's gate, up, activation and
-    product."""
-    return micro * tokens * ((3 * h + 2 * kv_dim) * 4 + (4 * h + 2 * kv_dim) * compute + 4 * mlp * compute)
+def layer_activations(shape: dict, weight: int, compute: int, lora: LoRA | None = None) -> int:
+    """Bytes one decoder layer keeps for its backward, per token, with weights of `weight` bytes and activations of
+    `compute` bytes (2 under bf16 autocast, over float32 or bf16 weights), as saved-tensor hooks count them
+    (measured_layer_activations, tests/test_recipe_memory.py):
+    - each RMSNorm: its input in float32 (Qwen2's norm computes in float32), its normalised input in the weights'
+      dtype and its output; under autocast over float32 weights the output is not kept, but each linear layer it
+      feeds keeps its own cast copy: q, k, v, gate and up;
+    - attention: the rotated queries, the keys and values repeated to every query head (a padding mask makes SDPA
+      take transformers' repeat_kv path, and a training batch has padding), the output, and SDPA's float32
+      log-sum-exp per head;
+    - the MLP: gate, up, their activation and product;
+    - with LoRA (PEFT): each adapter's rank-sized output, and two more copies of the width in the compute dtype
+      (what PEFT's forward adds, as the hooks count it)."""
+    h, mlp, heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
+    cast = compute != weight  # autocast over float32 weights: the linears keep cast copies of their inputs
+    norms = 2 * (4 * h + h * weight + (0 if cast else h * weight) + 4)
+    casts = 5 * h * compute if cast else 0
+    attention = 4 * h * compute + heads * 4
+    adapters = (len(lora.target_modules) * lora.rank + 2 * h) * compute if lora else 0
+    return norms + casts + attention + 4 * mlp * compute + adapters
+
+
+def measured_layer_activations(shape: dict, autocast: bool, num_tokens: int = 50, weight: str = "float32",
+                               lora: LoRA | None = None) -> float:
+    """Bytes a decoder layer keeps for its backward per token, counted with saved-tensor hooks on the CPU: Qwen2
+    models of 3 and 1 layers of `shape` (weights in `weight`, bf16 autocast or none; `lora`: PEFT's adapters on
+    them) on 2 left-padded sequences, the difference halved. Weights and autocast's cached bf16 copies of them are
+    not counted (rows of their own)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def saved_bytes(num_layers):
+        torch.manual_seed(0)
+        config = Qwen2Config(**{**shape, "num_hidden_layers": num_layers, "vocab_size": 512})
+        config._attn_implementation = "sdpa"
+        model = Qwen2ForCausalLM(config).to(getattr(torch, weight)).eval()
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.rank,
+                                                     target_modules=list(lora.target_modules))).eval()
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+        if any(2 * num_tokens in dims for dims in weight_shapes):  # a (2 x tokens, width) view would pass for a weight
+            raise ValueError(f"num_tokens={num_tokens}: 2 x num_tokens is a weight's dimension; choose another")
+        ids = torch.randint(0, 512, (2, num_tokens))
+        mask = torch.ones(2, num_tokens, dtype=torch.long)
+        mask[0, :5] = 0  # left padding, as the trainer's batches have
+        saved = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            is_weight_copy = tensor.dim() == 2 and (tuple(tensor.shape) in weight_shapes
+                                                   or tuple(tensor.shape[::-1]) in weight_shapes)
+            if storage.data_ptr() not in weights and not is_weight_copy:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
+            model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+        return sum(saved.values())
+
+    return (saved_bytes(3) - saved_bytes(1)) / 2 / (2 * num_tokens)
 
 
 def table(columns: dict[str, dict[str, float]]) -> str:
     """Markdown: one row per kind of tensor and per phase, one column per setting; rows that are 0 in every
     column are left out."""
     keys = [key for key in next(iter(columns.values())) if any(col[key] for col in columns.values())]
-    keys = [k for k in keys if k not in (*PHASES, "peak")] + [*PHASES, "peak"]
+    summary = [k for k in keys if k.startswith("peak on") or k in ("card less the allowance", "margin")]
+    keys = [k for k in keys if k not in (*PHASES, "peak", *summary)] + [*PHASES, "peak", *summary]
     lines = ["| GiB per GPU | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for key in keys:
-        name = f"**{key}**" if key in ("static", "peak") else (f"*{key}*" if key in PHASES else key)
+        name = f"**{key}**" if key in ("static", "peak", "margin") else (f"*{key}*" if key in PHASES else key)
         lines.append(f"| {name} | " + " | ".join(f"{col[key]:.2f}" for col in columns.values()) + " |")
     return "\n".join(lines)
+
+
+def load_recipe(path: str, overrides=()) -> tuple[Config, LoRA | None]:
+    """A recipe's config (`overrides` on top) and its LoRA: the file's model.lora section is read here, and the
+    rest goes through load_config (so the memory of a LoRA recipe is computed with or without the trainer's LoRA
+    installed)."""
+    import yaml
+
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    section = raw.get("model", {}).pop("lora", None) or {}
+
+    def dotted(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from dotted(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}={json.dumps(value)}"
+
+    cfg = load_config(None, [*dotted(raw), *overrides])
+    if not section.get("rank"):
+        return cfg, None
+    return cfg, LoRA(section["rank"], tuple(section.get("target_modules", LINEARS)), bool(section.get("critic", False)))
 
 
 def usable_gib(card_gb: int) -> float:
@@ -233,11 +376,16 @@ def fitting_overrides(recipe: str, card_gb: int, sharding: str, processes: int,
     rollout.log_prob_micro_batch_size a power of two) and the fewest evaluation batches (data.val_batch_size)
     whose computed peak fits the card; gradient checkpointing off where the update then still fits with a
     micro-batch of 8 or more (80 GB and larger). None if nothing fits."""
-    base = load_config(RECIPES[recipe])
+    base, _ = load_recipe(RECIPES[recipe])
     share = base.actor.ppo_mini_batch_size * base.rollout.n // processes
     micros = [m for m in range(share, 0, -1) if share % m == 0]
-    fits = lambda overrides, phase: memory(load_config(RECIPES[recipe], overrides), num_processes=processes,  # noqa: E731
-                                           sharding=sharding, prompt_tokens=prompt_tokens)[phase] <= usable_gib(card_gb)
+
+    def fits(overrides, phase):  # on every transformers of TRANSFORMERS, with MARGIN_GIB to spare
+        cfg, lora = load_recipe(RECIPES[recipe], overrides)
+        return all(memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens,
+                          transformers=version, lora=lora)[phase] <= usable_gib(card_gb) - MARGIN_GIB
+                   for version in TRANSFORMERS)
+
     for checkpointing in ((False, True) if card_gb >= 80 else (True,)):
         flag = [f"model.gradient_checkpointing={str(checkpointing).lower()}"]
         micro = next((m for m in micros if fits([*flag, f"actor.ppo_micro_batch_size={m}"], "update")), None)
@@ -257,17 +405,27 @@ def fitting_overrides(recipe: str, card_gb: int, sharding: str, processes: int,
 
 
 def recipe_columns(recipe: str, prompt_tokens: int = GSM8K_PROMPT_TOKENS) -> dict[str, dict[str, float]]:
-    """One column per card of CARDS: the recipe with the micro-batch sizes that fit it (fitting_overrides); a
-    card nothing fits on gets a column of the recipe's own sizes, marked as not fitting."""
+    """One column per card of CARDS (no FSDP2 column for a LoRA recipe: the adapters leave little to shard): the
+    recipe with the micro-batch sizes that fit it (fitting_overrides); a card nothing fits on gets a column of the
+    recipe's own sizes, marked as not fitting."""
     columns = {}
     for label, card_gb, sharding, processes in CARDS:
+        if recipe in LORA_RECIPES and sharding == "fsdp":
+            continue
         overrides = fitting_overrides(recipe, card_gb, sharding, processes, prompt_tokens)
-        cfg = load_config(RECIPES[recipe], overrides or [])
+        cfg, lora = load_recipe(RECIPES[recipe], overrides or [])
         settings = (f"micro {cfg.actor.ppo_micro_batch_size}, log-prob micro {cfg.rollout.log_prob_micro_batch_size}, "
                     f"eval batch {cfg.data.val_batch_size}"
                     + ("" if cfg.model.gradient_checkpointing else ", no checkpointing"))
         name = f"{label}: {settings}" if overrides else f"{label}: does not fit ({settings})"
-        columns[name] = memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens)
+        column = memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens, transformers="5.2x",
+                        lora=lora)
+        peaks = {version: memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens,
+                                 transformers=version, lora=lora)["peak"] for version in TRANSFORMERS}
+        column.update({f"peak on transformers {version}": peak for version, peak in peaks.items()})
+        column["card less the allowance"] = usable_gib(card_gb)
+        column["margin"] = usable_gib(card_gb) - max(peaks.values())
+        columns[name] = column
     return columns
 
 
@@ -286,13 +444,17 @@ VALIDATION_CASES = {
                               "rollout.log_prob_micro_batch_size=8", "model.gradient_checkpointing=false"],
     "grpo": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=8",
              "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=10", "rollout.log_prob_micro_batch_size=20"],
+    # measured where the trainer has LoRA (rlhf/lora.py); float32 weights, as the other cases
+    "ppo-lora": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=32",
+                 "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4", "rollout.log_prob_micro_batch_size=8",
+                 "model.dtype=float32"],
 }
 MEASURED_PHASES = {"sampling": ("gen",), "log-prob pass": ("old_log_prob", "ref", "values"),
                    "update": ("update_actor", "update_critic"), "optimizer step": ("update_step",)}
 
 
 def validation_config(case: str, model_dir: str, out_dir: str) -> Config:
-    recipe = GRPO_RECIPE if case.startswith("grpo") else RECIPE
+    recipe = LORA_RECIPES[case] if case in LORA_RECIPES else GRPO_RECIPE if case.startswith("grpo") else RECIPE
     return load_config(recipe, [*VALIDATION_CASES[case], f"model.path={model_dir}", "model.ref_dtype=float32",
                                 "trainer.mixed_precision=no", "trainer.logger=none", f"trainer.output_dir={out_dir}",
                                 "rollout.ignore_eos=true", "data.val_batch_size=8"])
@@ -377,7 +539,12 @@ def validate() -> int:
     worst = 0.0
     print("| case | phase | measured GiB | computed GiB | error | above static: measured / computed |")
     print("|---|---|---|---|---|---|")
+    import importlib.util
+
     for case in VALIDATION_CASES:
+        if case in LORA_RECIPES and importlib.util.find_spec("rlhf.lora") is None:
+            print(f"| {case} | not measured: this checkout has no rlhf/lora.py | | | | |")
+            continue
         measured = json.loads(subprocess.run([sys.executable, __file__, "--measure", case], env=env, check=True,
                                              capture_output=True, text=True).stdout.strip().splitlines()[-1])
         with tempfile.TemporaryDirectory() as tmp:
@@ -387,6 +554,16 @@ def validate() -> int:
             worst = max(worst, abs(error))
             print(f"| {case} | {phase} | {value:.3f} | {computed[phase]:.3f} | {error:+.1%} | "
                   f"{value - computed['static']:.3f} / {computed[phase] - computed['static']:.3f} |", flush=True)
+    # The CPU cannot run the recipes' bf16 autocast at speed, but it can count what autocast keeps: one layer's
+    # activations at Qwen2.5-0.5B's width, with and without it.
+    print("\n| Qwen2.5-0.5B's layer, per token | measured B | computed B | error |\n|---|---|---|---|")
+    for name, autocast, weight, lora in (("float32", False, "float32", None), ("bf16 autocast", True, "float32", None),
+                                         ("bf16 weights", True, "bfloat16", None),
+                                         ("bf16 weights, LoRA rank 32", True, "bfloat16", LoRA(32))):
+        measured = measured_layer_activations(QWEN2_5_0_5B, autocast, weight=weight, lora=lora)
+        computed = layer_activations(QWEN2_5_0_5B, BYTES[weight], 2 if autocast else BYTES[weight], lora)
+        worst = max(worst, abs(computed / measured - 1))
+        print(f"| {name} | {measured:,.0f} | {computed:,} | {computed / measured - 1:+.1%} |")
     print(f"largest error: {worst:.1%} ({'within' if worst <= 0.15 else 'OVER'} 15%)")
     return 0 if worst <= 0.15 else 1
 

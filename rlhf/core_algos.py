@@ -17,7 +17,7 @@ import torch
 from rlhf.processes import ReduceSum, one_process
 from rlhf.registry import Registry
 
-# Rows of (B*T, V) logits converted to float32 at a time, so the float32 copy of a bfloat16 logit tensor
+# Rows of (B, T, V) logits converted to float32 at a time, so the float32 copy of a bfloat16 logit tensor
 # never has to exist whole (a (8, 1024, 152k) batch would need 5 GB).
 LOGITS_CHUNK_ROWS = 1024
 
@@ -427,9 +427,81 @@ def value_loss(
 # ------------------------------------------------------------------------ Log-probs and entropy from logits
 
 
-def _row_chunks(logits: torch.Tensor):
-    """`logits` flattened to (N, V) and split into chunks of at most `LOGITS_CHUNK_ROWS` rows."""
-    return logits.reshape(-1, logits.shape[-1]).split(LOGITS_CHUNK_ROWS, dim=0)
+def _row_blocks(shape: torch.Size):
+    """Index tuples over the leading dims of a (B, T, V) tensor, each block at most `LOGITS_CHUNK_ROWS` rows:
+    whole sequences where T fits, else slices of one sequence. Blocks of the tensor as it is, so that a slice
+    of the model's logits ((B, R, V) of (B, R + 1, V)) is never copied whole to be flattened."""
+    num_seqs, num_steps = shape[0], shape[1]
+    if num_steps <= LOGITS_CHUNK_ROWS:
+        per_block = max(1, LOGITS_CHUNK_ROWS // max(num_steps, 1))
+        for b in range(0, num_seqs, per_block):
+            yield slice(b, b + per_block), slice(None)
+    else:
+        for b in range(num_seqs):
+            for t in range(0, num_steps, LOGITS_CHUNK_ROWS):
+                yield slice(b, b + 1), slice(t, t + LOGITS_CHUNK_ROWS)
+
+
+def _scaled(block: torch.Tensor, temperature: float) -> torch.Tensor:
+    return block.float() / temperature  # the one float32 copy there is: a block's
+
+
+class _LabelLogprobs(torch.autograd.Function):
+    """log softmax(z / T) at the labels, block by block, keeping only the logits for the backward (no float32
+    copy): d logprob / dz = (onehot(label) - softmax(z / T)) / T, recomputed a block at a time."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature):
+        label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() / temperature  # (B, T)
+        log_normaliser = label_logits.new_empty(labels.shape)
+        for block in _row_blocks(logits.shape):
+            log_normaliser[block] = torch.logsumexp(_scaled(logits[block], temperature), dim=-1)
+        ctx.save_for_backward(logits, labels)
+        ctx.temperature = temperature
+        return label_logits - log_normaliser
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, labels = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        for block in _row_blocks(logits.shape):
+            g = grad_out[block].unsqueeze(-1) / temperature  # (b, t, 1)
+            grad = -torch.softmax(_scaled(logits[block], temperature), dim=-1) * g
+            grad.scatter_add_(-1, labels[block].unsqueeze(-1), g)
+            grad_logits[block] = grad
+        return grad_logits, None, None
+
+
+class _Entropy(torch.autograd.Function):
+    """Entropy of softmax(z / T), block by block, keeping only the logits for the backward (no float32 copy):
+    with log p = log softmax(z / T) and H = -sum p log p, dH/dz = -p (log p + H) / T, recomputed a block at a time.
+    Tokens of probability 0 (-inf logits) contribute 0 to both."""
+
+    @staticmethod
+    def _p_logp(logp):
+        return torch.where(logp > float("-inf"), logp.exp() * logp, torch.zeros_like(logp))
+
+    @staticmethod
+    def forward(ctx, logits, temperature):
+        entropy = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+        for block in _row_blocks(logits.shape):
+            logp = torch.log_softmax(_scaled(logits[block], temperature), dim=-1)
+            entropy[block] = -_Entropy._p_logp(logp).sum(-1)
+        ctx.save_for_backward(logits, entropy)
+        ctx.temperature = temperature
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, entropy = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        for block in _row_blocks(logits.shape):
+            logp = torch.log_softmax(_scaled(logits[block], temperature), dim=-1)
+            centred = _Entropy._p_logp(logp) + logp.exp() * entropy[block].unsqueeze(-1)  # p (log p + H)
+            grad_logits[block] = centred * (-grad_out[block].unsqueeze(-1) / temperature)
+        return grad_logits, None
 
 
 def logprobs_from_logits(
@@ -437,29 +509,21 @@ def logprobs_from_logits(
 ) -> torch.Tensor:
     """log softmax(logits / temperature) at `labels`: (B, T, V) any float dtype, (B, T) -> (B, T) float32.
 
-    Equal to `log_softmax(logits.float() / temperature).gather(-1, labels)` but without the (B, T, V)
-    float32 log-softmax: the label logit is gathered first, and the log-normaliser is a logsumexp over
-    chunks of rows converted to float32 one at a time.
+    Equal to `log_softmax(logits.float() / temperature).gather(-1, labels)` without a float32 (B, T, V) tensor,
+    forward or backward: the label logit is gathered first, the log-normaliser is a logsumexp over blocks of
+    rows converted to float32 one at a time, and the backward recomputes each block's softmax from the logits,
+    which are all it keeps.
     """
-    label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() / temperature  # (B, T)
-    log_normaliser = torch.cat(
-        [torch.logsumexp(chunk.float() / temperature, dim=-1) for chunk in _row_chunks(logits)]
-    ).reshape(labels.shape)  # (B, T)
-    return label_logits - log_normaliser
+    return _LabelLogprobs.apply(logits, labels, float(temperature))
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position: (B, T, V) any float dtype -> (B, T) float32.
 
-    Tokens with -inf logits (probability 0) contribute 0, not NaN.
+    Blocks of rows in float32, forward and backward (which recomputes from the logits, all it keeps). Tokens with
+    -inf logits (probability 0) contribute 0, not NaN.
     """
-
-    def chunk_entropy(chunk):
-        logp = torch.log_softmax(chunk.float() / temperature, dim=-1)
-        p_logp = torch.where(logp > float("-inf"), logp.exp() * logp, torch.zeros_like(logp))
-        return -p_logp.sum(-1)
-
-    return torch.cat([chunk_entropy(chunk) for chunk in _row_chunks(logits)]).reshape(logits.shape[:-1])
+    return _Entropy.apply(logits, float(temperature))
 
 
 # ---------------------------------------------------------------------------------------------- Diagnostics

@@ -225,9 +225,9 @@ class Step:
             key = attention.k_proj(hidden).view(shape).transpose(1, 2)  # (B, KV heads, 1, D)
             value = attention.v_proj(hidden).view(shape).transpose(1, 2)
             query, key = self.rotate(query, key, cos, sin)
-            if self.compiled:
-                keys.index_copy_(2, slot, key)
-                values.index_copy_(2, slot, value)
+            if self.compiled:  # index_copy_ does not convert: under autocast on 5.17 the cache's values are float32
+                keys.index_copy_(2, slot, key.to(keys.dtype))
+                values.index_copy_(2, slot, value.to(values.dtype))
             else:
                 keys[:, :, slot] = key[:, :, 0]
                 values[:, :, slot] = value[:, :, 0]

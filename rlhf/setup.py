@@ -78,7 +78,7 @@ def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val
     # takes that wrapper off the model (in place, inside any DDP or FSDP wrapper); rlhf/step.py runs its forward
     # passes in accelerator.autocast() instead (tests/test_train.py checks no such copy is made).
     for model in (m for m in (actor, critic) if m is not None):
-        accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+        drop_own_forward(accelerator.unwrap_model(model, keep_fp32_wrapper=False))
     if ref is not None and not isinstance(ref, lora.Reference):  # a Reference is the actor, which prepare moved
         ref = ref.to(accelerator.device)
     kc = cfg.algorithm.kl_ctrl
@@ -86,6 +86,16 @@ def build_setup(cfg: Config, accelerator: Accelerator, tokenizer, train_set, val
                  PromptOrder(len(train_set), cfg.data.train_batch_size, cfg.trainer.seed),
                  kl.build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), load_reward(cfg, get_task(cfg.task.name).prompt_fields),
                  build_lr_schedulers(cfg, actor_opt, critic_opt))
+
+
+def drop_own_forward(model) -> None:
+    """unwrap_model puts a forward back on the model as a method bound to the model, in its own attributes: a
+    reference cycle (model -> forward -> model) that only a full garbage collection frees, so a model let go
+    keeps its memory (on a GPU, its weights and AdamW moments) until one runs. Dropped, the class's forward
+    answers: the one a run without mixed precision calls (the copy unwrap_model binds is that function with
+    transformers' argument decorators peeled off)."""
+    if getattr(model.__dict__.get("forward"), "__self__", None) is model:
+        del model.forward
 
 
 def shard_on_cpu(accelerator: Accelerator) -> None:

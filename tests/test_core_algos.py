@@ -360,6 +360,83 @@ def test_entropy_with_minus_inf_logits_is_finite():
     assert torch.allclose(entropy_from_logits(logits), torch.tensor([[math.log(2)]]))
 
 
+def _autograd_logprobs_and_entropy(logits, labels, temperature):
+    """The update's log-probs and entropy by plain autograd through a float32 copy of the logits."""
+    x = logits.float() / temperature
+    logp = torch.log_softmax(x, -1)
+    entropy = -torch.where(logp > float("-inf"), logp.exp() * logp, 0.0).sum(-1)
+    return logp.gather(-1, labels[..., None])[..., 0], entropy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_rows", [3, 12])  # blocks inside a sequence; several sequences per block, uneven
+def test_logprobs_and_entropy_gradients_equal_autograd_through_float32(dtype, temperature, chunk_rows, monkeypatch):
+    """The hand-written backwards give autograd's gradients through a float32 copy, to float rounding: float32
+    to 1e-6, bf16 to one bf16 rounding of the float32 gradient. The logits are a slice of a longer tensor (as
+    the model's (B, R + 1, V) logits are) and a mask and advantages weight the tokens, as in the update."""
+    monkeypatch.setattr(core_algos, "LOGITS_CHUNK_ROWS", chunk_rows)
+    gen = torch.Generator().manual_seed(6)
+    full = (3 * torch.randn(5, 6, 40, generator=gen)).to(dtype)
+    labels = torch.randint(0, 40, (5, 5), generator=gen)
+    advantages = torch.randn(5, 5, generator=gen)
+    mask = (torch.rand(5, 5, generator=gen) > 0.3).float()
+
+    def gradient(fn):
+        logits = full.clone().requires_grad_(True)
+        logprobs, entropy = fn(logits[:, :-1], labels, temperature)
+        assert logprobs.dtype == entropy.dtype == torch.float32
+        loss = masked_mean(logprobs * advantages, mask) - 0.5 * masked_mean(entropy, mask)
+        loss.backward()
+        return logprobs.detach(), entropy.detach(), logits.grad
+
+    ours = gradient(lambda z, y, t: (logprobs_from_logits(z, y, t), entropy_from_logits(z, t)))
+    reference = gradient(_autograd_logprobs_and_entropy)
+    assert torch.allclose(ours[0], reference[0], atol=1e-5) and torch.allclose(ours[1], reference[1], atol=1e-5)
+    assert ours[2].dtype == dtype and bool(ours[2].abs().sum() > 0) and not ours[2][:, -1].any()
+    if dtype == torch.float32:
+        assert torch.allclose(ours[2], reference[2], rtol=1e-5, atol=1e-7)
+    else:  # the log-probs' and the entropy's gradients are rounded to bf16 each, then added in bf16
+        scale = sum(term.abs() for term in _float32_gradient_terms(full, labels, advantages, mask, temperature))
+        assert ((ours[2].float() - reference[2].float()).abs() <= 2**-7 * scale + 1e-7).all()
+
+
+def _float32_gradient_terms(full, labels, advantages, mask, temperature):
+    """The log-probs' and the entropy's parts of the test's loss gradient, each alone, in float32."""
+    terms = []
+    for part in (0, 1):
+        logits = full.float().requires_grad_(True)
+        logprobs, entropy = _autograd_logprobs_and_entropy(logits[:, :-1], labels, temperature)
+        (masked_mean(logprobs * advantages, mask) if part == 0 else -0.5 * masked_mean(entropy, mask)).backward()
+        terms.append(logits.grad)
+    return terms
+
+
+def test_logprobs_and_entropy_keep_no_float32_copy_for_the_backward(monkeypatch):
+    """What autograd keeps between the forward and the backward, counted with saved-tensor hooks on bf16 logits of
+    (4, 64, 8192): the logits themselves (shared by both) and (B, T) tensors, nothing of a float32 (B, T, V) copy
+    (plain autograd through float32 blocks keeps over 3 such copies' worth)."""
+    monkeypatch.setattr(core_algos, "LOGITS_CHUNK_ROWS", 64)
+    logits = torch.randn(4, 65, 8192, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 8192, (4, 64))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logprobs = logprobs_from_logits(logits[:, :-1], labels, 0.7)
+        entropy = entropy_from_logits(logits[:, :-1], 0.7)
+    large = [t for t in saved if t.numel() > 4 * 64]
+    assert large and all(t.dtype == torch.bfloat16 and t.untyped_storage().data_ptr() == logits.data_ptr()
+                         for t in large), [(t.dtype, tuple(t.shape)) for t in large]
+    (logprobs.sum() + entropy.sum()).backward()  # and the backward runs from what was kept
+    assert logits.grad.shape == logits.shape and logits.grad[:, :-1].abs().sum() > 0
+
+
+def test_entropy_gradient_is_zero_on_tokens_of_probability_zero():
+    """-inf logits (probability 0) get a zero gradient, not the NaN plain autograd through p * log p gives."""
+    logits = torch.tensor([[[0.0, 1.0, float("-inf")]]], requires_grad=True)
+    entropy_from_logits(logits, 0.5).sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 0, 2] == 0
+
+
 # --- diagnostics -----------------------------------------------------------------------------------------
 
 

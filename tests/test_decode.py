@@ -171,3 +171,34 @@ def test_gradient_checkpointing_leaves_decoding_unchanged(reference):
     ours = generate(checkpointed, tokenizer, prompt_ids, prompt_mask, params, all_finished=rule).response_ids
     assert torch.equal(plain, ours)
     assert all(layer.training for layer in checkpointed.model.layers)  # the flag is back for the update
+
+
+@pytest.mark.parametrize("values", ["own", "float32"])
+def test_compiled_step_under_autocast_takes_either_cache_dtype(values, monkeypatch):
+    """Under bf16 autocast the compiled step writes its bf16 values into the cache in place, whatever dtype the
+    prompt's cache gave it: bf16 on transformers 5.2x, float32 on 5.17 ("float32" makes the cache so here, as
+    5.17 does). Compiled with the CPU's aot_eager backend (dynamo's graph, the eager kernels: seconds, not the
+    inductor's ~30 s); the greedy tokens are the eager step's."""
+    import functools
+
+    from rlhf.rollout import next_token
+
+    if values == "float32":
+        build = decode.StaticCache.__init__
+
+        def float32_values(self, prompt_cache, length):
+            build(self, prompt_cache, length)
+            self.values = [v.float() for v in self.values]
+
+        monkeypatch.setattr(decode.StaticCache, "__init__", float32_values)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    model = tiny_qwen2(64, seed=1, pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=True)
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8, 9, 10], [3, 4], [11, 12, 13]], PAD)
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    runs = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for compiled in (False, True):
+            runs[compiled] = decode.decode(model, prompt_ids, prompt_mask, 12, lambda l: next_token(l, params), 1.0,
+                                           (EOS,), PAD, keep_logprobs=True, compiled=compiled)
+    assert torch.equal(runs[False][0], runs[True][0])
+    assert torch.allclose(runs[False][1], runs[True][1], atol=0.05)  # bf16 matmuls over the masked, longer cache
