@@ -179,7 +179,12 @@ CASES = {
     # k3 in the loss only, no gradient clipping (it would hide the losses' scale), k2 in the reward
     "loss_k3_reward_k2": ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k2", "actor.use_kl_loss=true",
                           "actor.kl_loss_type=k3", "actor.grad_clip=1e6", "critic.grad_clip=1e6"],
+    # no KL panel: the old log-probs are the sampler's (plan "sampler"), and they are the ratio's
+    "sampler_reward_k3": ["trainer.log_kl_panel=false", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k3",
+                          "actor.use_kl_loss=true", "actor.kl_loss_type=k1", "actor.grad_clip=1e6",
+                          "critic.grad_clip=1e6"],
 }
+SOURCES = {"sampler_reward_k3": "sampler"}  # the others: "forward" (the KL panel needs the actor's logits)
 COMMON = ["algorithm.gamma=0.9", "algorithm.lam=0.8", "algorithm.kl_ctrl.kl_coef=0.5", "actor.kl_loss_coef=0.5",
           "actor.ppo_epochs=2", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=2",
           "rollout.temperature=0.7", "rollout.log_prob_micro_batch_size=3", "trainer.logger=none"]
@@ -204,9 +209,9 @@ def setup_run(artifacts, tmp_path):
     """A config, an accelerator, the trainer's models, prompt rows, a rollout batch and scores with every kind
     of group (mixed, all 0, all 1) when n > 1. The actor is perturbed so that it differs from the reference
     (else every KL is 0), and the critic's head so that the values are not all 0 (else GAE could not tell
-    gamma from lambda, nor value clipping act)."""
+    gamma from lambda, nor value clipping act). Three responses end early (`ended_early`)."""
 
-    def make(*extra):
+    def make(*extra, short=True):
         cfg = load_config(None, tiny_overrides(artifacts, str(tmp_path), *COMMON, *extra))
         accelerator = Accelerator(cpu=True)
         tokenizer, train_set, _, actor, critic, ref = rlhf.setup.prepare_data_and_models(cfg, accelerator)
@@ -217,15 +222,53 @@ def setup_run(artifacts, tmp_path):
             if critic is not None:
                 critic.score.weight.normal_(std=0.1)
         rows, group_ids = repeat_prompts(train_set[list(range(cfg.data.train_batch_size))], cfg.rollout.n)
-        batch = rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, group_ids)
+        batch = rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, group_ids, short=short)
         return cfg, accelerator, (actor, critic, ref), tokenizer, rows, batch, torch.tensor(SCORES * cfg.rollout.n)
 
     return make
 
 
-def rollout(cfg, accelerator, models, tokenizer, rows, group_ids, timer=None):
-    return step.rollout(cfg, step.plan_step(cfg, accelerator.mixed_precision), accelerator, models, tokenizer, rows,
-                        group_ids, None, timer or Timer())
+def rollout(cfg, accelerator, models, tokenizer, rows, group_ids, timer=None, short=True):
+    """step.rollout with the config's plan; `short`: three responses end early (`ended_early`)."""
+    plan = step.plan_step(cfg, accelerator.mixed_precision)
+    with pytest.MonkeyPatch.context() as patch:
+        if short:
+            sampled = step.generate
+            patch.setattr(step, "generate", lambda *a, **k: ended_early(sampled(*a, **k), tokenizer))
+        return step.rollout(cfg, plan, accelerator, models, tokenizer, rows, group_ids, None, timer or Timer())
+
+
+def ended_early(seq: Sequences, tokenizer) -> Sequences:
+    """`seq` with responses 1, 4 and 6 ended by an end-of-sequence token at positions 0, 3 and 9, padded after
+    it (the tiny model never samples one): the last token of a response is then followed by padding, where GAE
+    must not bootstrap and no loss may count. The sampler's log-probs, where kept, are 0 after the end."""
+    response_ids = seq.response_ids.clone()
+    for row, position in ((1, 0), (4, 3), (6, 9)):
+        response_ids[row, position] = tokenizer.eos_token_id
+        response_ids[row, position + 1:] = tokenizer.pad_token_id
+    mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+    logprobs = None if seq.logprobs is None else torch.where(mask.bool(), seq.logprobs, 0.0)
+    return Sequences.build(seq.prompt_ids, seq.prompt_mask, response_ids, mask, logprobs)
+
+
+def stale(batch: step.Batch, scale: float = 1.0) -> torch.Tensor:
+    """Old log-probs far from the actor's (seeded noise of std `scale` added): ratios on both sides of
+    1 +- clip_ratio and past clip_ratio_c, so that every branch of the clipped loss is taken from the first
+    mini-batch on. The same tensor goes to both implementations."""
+    noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(5))
+    return batch.old_logprobs + scale * noise
+
+
+def assert_every_clip_branch(ratio, advantages, mask, clip_ratio=0.2, clip_ratio_c=3.0):
+    """Valid tokens in each region of the dual-clipped loss: A > 0 below, inside and above the clip range,
+    A < 0 below it, inside it, between 1 + clip_ratio and clip_ratio_c, and past clip_ratio_c (the dual clip)."""
+    valid = mask.bool()
+    pos, neg = valid & (advantages > 0), valid & (advantages < 0)
+    low, high, capped = ratio < 1 - clip_ratio, ratio > 1 + clip_ratio, ratio > clip_ratio_c
+    inside = ~low & ~high
+    regions = {"A>0 low": pos & low, "A>0 inside": pos & inside, "A>0 high": pos & high, "A<0 low": neg & low,
+               "A<0 inside": neg & inside, "A<0 high": neg & high & ~capped, "A<0 past c": neg & capped}
+    assert all(region.any() for region in regions.values()), str({k: int(v.sum()) for k, v in regions.items()})
 
 
 def one_file(cfg) -> ppo.Args:
@@ -248,7 +291,19 @@ def one_file_batch(batch: step.Batch, scores) -> dict:
                "response_ids": seq.response_ids, "response_mask": seq.response_mask, "scores": scores,
                "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs, "full_kl": batch.full_kl,
                "values": batch.values}
-    return {name: tensor for name, tensor in tensors.items() if tensor is not None}  # no exact KL without the panel
+    if batch.full_kl is None:  # no exact KL without the panel: NaN, so that an estimator reading it would show
+        tensors["full_kl"] = torch.full(seq.response_mask.shape, float("nan"))
+    return {name: tensor for name, tensor in tensors.items() if tensor is not None}
+
+
+def assert_old_logprobs_source(cfg, batch: step.Batch, source: str):
+    """The plan takes the old log-probs from `source`, and the rollout batch holds them: the sampler's own
+    tensor, or the forward pass's (then the sampler's are kept beside them, to compare)."""
+    assert step.plan_step(cfg, "no").old_logprobs_from == source
+    if source == "sampler":
+        assert batch.old_logprobs is batch.seq.logprobs and batch.sampler_logprobs is None
+    else:
+        assert batch.old_logprobs is not None and batch.sampler_logprobs is batch.seq.logprobs
 
 
 def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None):
@@ -289,10 +344,12 @@ def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None):
 def test_the_one_file_ppo_has_the_trainers_advantages_losses_and_gradients(setup_run, case):
     """One mini-batch of all 8 responses, in the trainer's micro-batches of 2: the advantages and returns, the
     actor's and the critic's loss (the trainer's: its micro-batches' summed) and both models' gradients are
-    ppo.py's on the whole mini-batch."""
+    ppo.py's on the whole mini-batch. Stale old log-probs put tokens in every region of the clipped loss."""
     cfg, accelerator, models, _, _, batch, scores = setup_run(*CASES[case], "actor.ppo_epochs=1",
                                                               "actor.ppo_mini_batch_size=8")
     actor, critic, ref = models
+    assert_old_logprobs_source(cfg, batch, SOURCES.get(case, "forward"))
+    batch.old_logprobs = stale(batch)
     args, expected = one_file(cfg), one_file_batch(batch, scores)
     expected["advantages"], expected["returns"] = ppo.advantages_and_returns(args, expected)
     start = copy.deepcopy(actor), copy.deepcopy(critic)
@@ -300,8 +357,12 @@ def test_the_one_file_ppo_has_the_trainers_advantages_losses_and_gradients(setup
     (actor_loss + critic_loss).backward()
 
     seen = {}
-    batch, _, skipped, _ = trainer_update(cfg, accelerator, models, batch, scores, cfg.algorithm.kl_ctrl.kl_coef, seen)
-    assert skipped == 0
+    with torch.no_grad():
+        logprobs = step.logprobs_and_logits(actor, batch.seq, cfg.rollout.temperature)[0]
+    batch, metrics, skipped, _ = trainer_update(cfg, accelerator, models, batch, scores,
+                                                cfg.algorithm.kl_ctrl.kl_coef, seen)
+    assert skipped == 0 and metrics["actor/pg_clipfrac_lower"] > 0
+    assert_every_clip_branch(torch.exp(logprobs - batch.old_logprobs), batch.advantages, batch.seq.response_mask)
     mask = batch.seq.response_mask.bool()
     torch.testing.assert_close(batch.advantages, expected["advantages"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(batch.returns, expected["returns"])
@@ -316,9 +377,12 @@ def test_the_one_file_ppo_has_the_trainers_advantages_losses_and_gradients(setup
 
 @pytest.mark.parametrize("case", CASES)
 def test_an_update_reaches_the_weights_of_the_one_file_ppo(setup_run, case):
-    """Two epochs of two mini-batches each: the trainer's update and ppo.update reach the same weights."""
+    """Two epochs of two mini-batches each, from stale old log-probs: the trainer's update and ppo.update reach
+    the same weights."""
     cfg, accelerator, models, _, _, batch, scores = setup_run(*CASES[case])
     actor, critic, ref = models
+    assert_old_logprobs_source(cfg, batch, SOURCES.get(case, "forward"))
+    batch.old_logprobs = stale(batch)
     expected_models = copy.deepcopy(actor), copy.deepcopy(critic)
     args, expected = one_file(cfg), one_file_batch(batch, scores)
     expected["advantages"], expected["returns"] = ppo.advantages_and_returns(args, expected)
@@ -418,7 +482,8 @@ def test_an_exactly_on_policy_update_needs_no_old_logprob_pass(setup_run, case):
 def test_the_sampler_logprobs_are_the_old_ones_or_are_compared_with_them(setup_run):
     """rollout.logprobs_from_sampler: with the pass (the KL panel on) both are kept and their mismatch logged, in
     float32 float noise; where only the sampler's are needed (two epochs, no panel) they are the old ones."""
-    cfg, accelerator, models, tokenizer, rows, batch, scores = setup_run("rollout.logprobs_from_sampler=true")
+    cfg, accelerator, models, tokenizer, rows, batch, scores = setup_run("rollout.logprobs_from_sampler=true",
+                                                                          short=False)
     assert batch.sampler_logprobs is not None and batch.old_logprobs is not None
     torch.testing.assert_close(batch.sampler_logprobs, batch.old_logprobs, rtol=0, atol=1e-4)
     batch.token_rewards = core_algos.token_rewards(scores, batch.seq.response_mask)
@@ -429,7 +494,7 @@ def test_the_sampler_logprobs_are_the_old_ones_or_are_compared_with_them(setup_r
     timer = Timer()
     torch.manual_seed(3)
     cfg.trainer.log_kl_panel = False
-    sampled = rollout(cfg, accelerator, models, tokenizer, rows, batch.group_ids, timer)
+    sampled = rollout(cfg, accelerator, models, tokenizer, rows, batch.group_ids, timer, short=False)
     assert step.plan_step(cfg, "no").old_logprobs_from == "sampler" and sampled.sampler_logprobs is None
     assert "timing_s/old_log_prob" not in timer.metrics() and sampled.full_kl is None
     with torch.no_grad():
@@ -444,7 +509,7 @@ def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup
     those `generate` samples with the configured temperature from the same seed."""
     cfg, accelerator, (actor, critic, ref), tokenizer, rows, first, _ = setup_run("algorithm.use_kl_in_reward=true")
     torch.manual_seed(123)
-    batch = rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, first.group_ids)
+    batch = rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, first.group_ids, short=False)
     torch.manual_seed(123)
     prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
     sampled = generate(actor, tokenizer, prompt_ids, prompt_mask, SamplingParams(16, temperature=0.7))
@@ -486,22 +551,13 @@ def test_batch_metrics_are_the_batch_numbers(setup_run):
     assert metrics["kl/full"] > 0
 
 
-def test_kl_panel_is_the_exact_kl_of_each_real_token_computed_by_hand(setup_run, monkeypatch):
+def test_kl_panel_is_the_exact_kl_of_each_real_token_computed_by_hand(setup_run):
     """The panel on a batch with padding on both sides (prompts of different lengths, responses that stopped
     early): kl/full, kl/full_forward and kl/k1 equal the KLs of the two models' next-token distributions at
     the sampling temperature, computed one unpadded sequence at a time in float64 and averaged over the real
     response tokens only."""
-    cfg, accelerator, models, tokenizer, rows, sampled, scores = setup_run()
+    cfg, accelerator, models, tokenizer, rows, batch, scores = setup_run()  # responses 1, 4, 6 end early
     actor, _, ref = models
-    # responses 1, 4 and 6 end at an EOS (at positions 0, 3 and 9), the rest run to the length limit
-    response_ids = sampled.seq.response_ids.clone()
-    for row, position in ((1, 0), (4, 3), (6, 9)):
-        response_ids[row, position] = tokenizer.eos_token_id
-        response_ids[row, position + 1:] = tokenizer.pad_token_id
-    response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
-    fixed = Sequences.build(sampled.seq.prompt_ids, sampled.seq.prompt_mask, response_ids, response_mask)
-    monkeypatch.setattr(step, "generate", lambda *args, **kwargs: dataclasses.replace(fixed))
-    batch = rollout(cfg, accelerator, models, tokenizer, rows, sampled.group_ids)
     mask = batch.seq.response_mask
     assert mask.sum(1)[[1, 4, 6]].tolist() == [1, 4, 10] and (batch.seq.prompt_mask == 0).any()
     batch.token_rewards = core_algos.token_rewards(scores, mask)
