@@ -11,11 +11,13 @@ makes them differ.
 
 import copy
 import dataclasses
+import os
 
 import pytest
 import torch
+import transformers
 from accelerate import Accelerator
-from helpers import tiny_overrides
+from helpers import REPO, tiny_overrides
 
 import ppo
 import rlhf.setup
@@ -272,11 +274,15 @@ def assert_every_clip_branch(ratio, advantages, mask, clip_ratio=0.2, clip_ratio
 
 
 def one_file(cfg) -> ppo.Args:
-    """ppo.py's settings for the trainer's config (ppo.py covers GAE, one response per prompt, the token mean)."""
-    a, ac = cfg.algorithm, cfg.actor
+    """ppo.py's settings for the trainer's config (ppo.py covers GAE, one response per prompt, the token mean, one
+    grad_clip and one weight_decay for both models)."""
+    a, ac, t = cfg.algorithm, cfg.actor, cfg.trainer
     assert (a.adv_estimator, cfg.rollout.n, ac.loss_agg_mode) == ("gae", 1, "token-mean")
-    assert ac.grad_clip == cfg.critic.grad_clip
-    return ppo.Args(seed=cfg.trainer.seed, temperature=cfg.rollout.temperature, ppo_epochs=ac.ppo_epochs,
+    assert ac.grad_clip == cfg.critic.grad_clip and ac.weight_decay == cfg.critic.weight_decay
+    return ppo.Args(seed=t.seed, total_steps=t.total_steps, batch_size=cfg.data.train_batch_size,
+                    max_response_length=cfg.data.max_response_length, actor_lr=ac.lr, critic_lr=cfg.critic.lr,
+                    weight_decay=ac.weight_decay, eval_every=t.test_freq, cache_dir=t.cache_dir,
+                    temperature=cfg.rollout.temperature, ppo_epochs=ac.ppo_epochs,
                     mini_batch_size=ac.ppo_mini_batch_size, clip_ratio=ac.clip_ratio, clip_ratio_c=ac.clip_ratio_c,
                     cliprange_value=cfg.critic.cliprange_value, grad_clip=ac.grad_clip, gamma=a.gamma, lam=a.lam,
                     reward_kl=a.kl_penalty if a.use_kl_in_reward else None, reward_kl_coef=a.kl_ctrl.kl_coef,
@@ -649,3 +655,56 @@ def test_the_adaptive_coefficient_follows_the_steps_reward_kl(artifacts, tmp_pat
     assert result.metrics["actor/reward_kl_penalty"] == pytest.approx(current, rel=1e-5, abs=1e-9)
     error = min(max(current / 0.01 - 1, -0.2), 0.2)
     assert result2.metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.5 * (1 + error * 8 / 40), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- ppo.py as a program
+
+
+def test_the_one_files_settings_and_optimizers_are_configs_tiny():
+    """ppo.Args' defaults are configs/tiny.yaml's settings, field by field, and its AdamW optimizers have the
+    settings (lr, betas, eps, weight decay, ...) rlhf.setup.build_optimizers gives the trainer for that config."""
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), [])
+    assert one_file(cfg) == ppo.Args()
+    schedules = (cfg.algorithm.kl_ctrl.type, cfg.actor.lr_scheduler_type, cfg.critic.lr_scheduler_type)
+    assert schedules == ("fixed", "constant", "constant")  # what ppo.py has
+    models = [torch.nn.Linear(2, 2) for _ in range(4)]
+    theirs, ours = rlhf.setup.build_optimizers(cfg, *models[:2]), ppo.optimizers(ppo.Args(), *models[2:])
+    implementation = ("params", "fused", "foreach", "capturable", "differentiable")
+    for trainer_opt, one_file_opt in zip(theirs, ours, strict=True):
+        assert type(trainer_opt) is type(one_file_opt) is torch.optim.AdamW
+        settings = [{k: v for k, v in group.items() if k not in implementation} for group in
+                    (*trainer_opt.param_groups, *one_file_opt.param_groups)]
+        assert len(settings) == 2 and settings[0] == settings[1]
+    assert [opt.param_groups[0]["weight_decay"] for opt in ours] == [0.0, 0.0]
+
+
+def test_the_one_files_flags_refuse_values_they_do_not_understand(capsys):
+    args = ppo.parse_args(["--off-policy-correction", "true", "--loss-kl", "k3+", "--reward-kl", "none",
+                           "--total-steps", "3"])
+    assert (args.off_policy_correction, args.loss_kl, args.reward_kl, args.total_steps) == (True, "k3+", None, 3)
+    assert ppo.parse_args(["--off-policy-correction", "false"]).off_policy_correction is False
+    for flag, value, message in [("--off-policy-correction", "True", "expected true or false"),
+                                 ("--off-policy-correction", "1", "expected true or false"),
+                                 ("--loss-kl", "k9", "unknown KL estimator 'k9'"),
+                                 ("--reward-kl", "None", "unknown KL estimator 'None'"),
+                                 ("--total-steps", "2.5", "invalid int value")]:
+        with pytest.raises(SystemExit):
+            ppo.parse_args([flag, value])
+        error = capsys.readouterr().err
+        assert flag in error and message in error, error
+
+
+def test_the_one_file_trains_and_evaluates(artifacts, capsys):
+    """ppo.py's own loop for two steps at test size: its sampling, scoring, rollout passes, advantages, update
+    and greedy evaluation. At step 1 the actor is the reference (KL exactly 0); the update moves it (KL > 0 at
+    step 2, weights changed): by the entropy bonus, as the test model scores 0 (all advantages 0 at step 1)."""
+    args = ppo.Args(total_steps=2, batch_size=8, max_response_length=16, mini_batch_size=4, actor_lr=1e-3,
+                    entropy_coeff=0.05, eval_every=2)
+    actor = ppo.main(args, built=artifacts)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["step 0", "step 1", "step 2", "step 2", "done"]
+    assert all("held-out accuracy" in lines[i] for i in (0, 3)) and lines[4].startswith("done: 2 steps")
+    assert lines[1].endswith("KL(pi || ref) per token 0.0000 (its k1 estimate 0.0000)")
+    assert float(lines[2].split("per token ")[1].split(" ")[0]) > 0
+    start = transformers.AutoModelForCausalLM.from_pretrained(artifacts.model_dir, dtype=torch.float32)
+    assert (weights(actor) - weights(start)).abs().max() > 1e-4
