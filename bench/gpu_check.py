@@ -451,7 +451,7 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
     import torch
 
     from rlhf.processes import sum_over_processes
-    from rlhf.step import plan_step, ppo_epochs, rewards_to_advantages, rollout
+    from rlhf.step import plan_step, ppo_update, rewards_to_advantages, rollout
 
     device = torch.device(args.device)
     rm = memory_model()
@@ -482,7 +482,7 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str) -> None:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            ppo_epochs(cfg_micro, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
+            ppo_update(cfg_micro, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
             sync(device)
             entry["seconds"] = round(time.perf_counter() - start, 2)
             if device.type == "cuda":

@@ -64,7 +64,7 @@ def test_actor_loss_gradient_is_the_policy_gradient_plus_the_kl_and_entropy_term
     loss.backward()
 
     pg_logprobs = logprobs.detach().requires_grad_()
-    pg_loss, _ = core_algos.policy_loss(old, pg_logprobs, advantages, mask, cfg.clip_ratio, cfg.clip_ratio_c)
+    pg_loss, _ = core_algos.policy_loss(pg_logprobs, old, advantages, mask, cfg.clip_ratio, cfg.clip_ratio_c)
     pg_loss.backward()
     num_tokens = mask.sum()
     expected = pg_logprobs.grad.clone()
@@ -341,7 +341,7 @@ def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None):
         if seen is not None:
             patch.setattr(step, "optimizer_steps", optimizer_steps)
             patch.setattr(step, "backward", backward)
-        metrics, skipped, own_old_logprobs = step.ppo_epochs(cfg, plan, accelerator, models, optimizers, batch, 3,
+        metrics, skipped, own_old_logprobs = step.ppo_update(cfg, plan, accelerator, models, optimizers, batch, 3,
                                                              Timer())
     return batch, metrics, skipped, own_old_logprobs
 
