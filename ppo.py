@@ -152,7 +152,7 @@ def advantages_and_returns(args, batch):
     rewards[torch.arange(len(mask)), mask.sum(1) - 1] = batch["scores"]
     if args.reward_kl:  # detached log-probs: in the reward, `X+` is X
         reward_kl = kl.parse_estimator(args.reward_kl)(batch["old_logprobs"], batch["ref_logprobs"], batch["full_kl"])
-        rewards = rewards - args.reward_kl_coef * torch.where(mask.bool(), reward_kl, 0.0)
+        rewards = rewards - args.reward_kl_coef * reward_kl  # past a response's end GAE reads no reward
     advantages, next_value, next_advantage = torch.zeros_like(values), 0.0, 0.0
     for t in reversed(range(values.shape[1])):  # after a response's last token, value and advantage are 0
         delta = rewards[:, t] + args.gamma * next_value - values[:, t]
@@ -233,8 +233,7 @@ def optimizers(args, actor, critic):
 
 
 def main(args, built=None):
-    """Train and print; `built`: the embedded default's files (rlhf.embedded), else built in args.cache_dir.
-    Returns the trained actor."""
+    """Train, print, return the actor; `built`: the embedded default's files, else built in args.cache_dir."""
     started = time.perf_counter()
     transformers.logging.set_verbosity_error()  # the critic's load report: its value head is new, by design
     transformers.logging.disable_progress_bar()
@@ -277,13 +276,10 @@ def boolean(text):
 
 def estimator(text):
     """A KL estimator's name (rlhf.kl), or `none`: no KL there."""
-    if text == "none":
-        return None
     try:
-        kl.parse_estimator(text)  # refuses an unknown name, with the valid ones
-    except ValueError as error:
+        return None if text == "none" else kl.parse_estimator(text).name
+    except ValueError as error:  # an unknown name, with the valid ones
         raise argparse.ArgumentTypeError(str(error)) from None
-    return text
 
 
 def parse_args(argv=None) -> Args:
