@@ -3,10 +3,13 @@
 ppo.py is the algorithm written straight through: whole mini-batches, no micro-batches, no accelerate in the
 update, the math inline. Given the trainer's batch, models and settings, its losses and gradients must be the
 trainer's, and after a whole update with SGD optimizers in place of AdamW (so that the weights are a direct
-function of the gradients, which AdamW's first step is not) so must its weights. Deleting or altering any line
-of the step that changes what is learned (the KL penalty in the rewards, the KL term or the entropy bonus in the
-loss, whitening, GAE's gamma/lambda, the micro-batch normalisers, the mini-batch order, clipping, zero_grad)
-makes them differ.
+function of the gradients, which AdamW's first step is not) so must its weights. The batches take every branch
+of the update: three responses end early, with padding after the end (GAE must not bootstrap from it); stale
+old log-probs put tokens in every region of the dual-clipped loss, for both signs of the advantage; the old
+log-probs come from each source the plan can choose (the forward pass, the sampler, the update's own).
+Deleting or altering any line of ppo.py or of the step that changes what is learned makes them differ.
+ppo.py as a program is tested last: its settings and optimizers are configs/tiny.yaml's, its flags refuse
+what they do not understand, and its own loop runs two steps.
 """
 
 import copy
@@ -708,3 +711,27 @@ def test_the_one_file_trains_and_evaluates(artifacts, capsys):
     assert float(lines[2].split("per token ")[1].split(" ")[0]) > 0
     start = transformers.AutoModelForCausalLM.from_pretrained(artifacts.model_dir, dtype=torch.float32)
     assert (weights(actor) - weights(start)).abs().max() > 1e-4
+
+
+def test_the_one_files_masks_and_positions_are_the_trainers(artifacts):
+    """ppo.sequences on responses that end at different places (an end-of-sequence token early in two rows, none
+    in the third), left-padded prompts of different lengths: its response mask (the end token included, nothing
+    after it), attention mask and positions are the trainer's (rlhf.rollout.Sequences.build) on the same tokens."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(artifacts.model_dir, padding_side="left")
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    responses = torch.tensor([[5, eos, pad, pad], [eos, pad, pad, pad], [5, 6, 7, 8]])
+
+    class FixedResponses(torch.nn.Module):  # the decoder's tokens fixed, to place the end where the test wants
+        device = torch.device("cpu")
+
+        def generate(self, input_ids, attention_mask, **kwargs):
+            return torch.cat([input_ids, responses], dim=1)
+
+    batch = ppo.sequences(FixedResponses(), tokenizer, ["a b c d e", "f", "g h"], max_new_tokens=4)
+    prompts = tokenizer(["a b c d e", "f", "g h"], padding=True, add_special_tokens=False, return_tensors="pt")
+    assert (prompts["attention_mask"] == 0).any()  # the prompts are padded
+    expected = Sequences.build(prompts["input_ids"], prompts["attention_mask"], responses,
+                               response_mask_from_ids(responses, eos))
+    assert batch["response_mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    for name in ("input_ids", "attention_mask", "position_ids", "response_mask"):
+        assert torch.equal(batch[name], getattr(expected, name)), name
