@@ -721,13 +721,19 @@ def test_the_one_files_masks_and_positions_are_the_trainers(artifacts):
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     responses = torch.tensor([[5, eos, pad, pad], [eos, pad, pad, pad], [5, 6, 7, 8]])
 
+    sampling = []
+
     class FixedResponses(torch.nn.Module):  # the decoder's tokens fixed, to place the end where the test wants
         device = torch.device("cpu")
 
         def generate(self, input_ids, attention_mask, **kwargs):
-            return torch.cat([input_ids, responses], dim=1)
+            sampling.append({key: kwargs.get(key) for key in ("do_sample", "temperature", "top_k", "top_p")})
+            return torch.cat([input_ids, responses[:len(input_ids)]], dim=1)
 
+    ppo.sequences(FixedResponses(), tokenizer, ["a"], max_new_tokens=4, temperature=0.7)
     batch = ppo.sequences(FixedResponses(), tokenizer, ["a b c d e", "f", "g h"], max_new_tokens=4)
+    assert sampling == [dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0),  # samples of pi itself
+                        dict(do_sample=False, temperature=None, top_k=None, top_p=None)]  # greedy
     prompts = tokenizer(["a b c d e", "f", "g h"], padding=True, add_special_tokens=False, return_tensors="pt")
     assert (prompts["attention_mask"] == 0).any()  # the prompts are padded
     expected = Sequences.build(prompts["input_ids"], prompts["attention_mask"], responses,
@@ -735,3 +741,19 @@ def test_the_one_files_masks_and_positions_are_the_trainers(artifacts):
     assert batch["response_mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
     for name in ("input_ids", "attention_mask", "position_ids", "response_mask"):
         assert torch.equal(batch[name], getattr(expected, name)), name
+
+
+def test_the_one_files_rollout_passes_are_the_trainers(setup_run, monkeypatch):
+    """ppo.rollout on the trainer's sequences (three responses ending early): its old and reference log-probs,
+    exact KL (pi || ref) and values are the trainer's rollout's, and its scores are the reward's."""
+    cfg, _, (actor, critic, ref), tokenizer, rows, batch, _ = setup_run()
+    trainers = one_file_batch(batch, torch.zeros(len(batch.group_ids)))
+    monkeypatch.setattr(ppo, "sequences", lambda *args, **kwargs: {
+        name: trainers[name] for name in ("input_ids", "attention_mask", "position_ids", "response_ids", "response_mask")})
+    texts = tokenizer.batch_decode(batch.seq.response_ids, skip_special_tokens=True)
+    answers = [texts[0].split()[-1] if texts[0].split() else "1"] + ["7"] * (len(texts) - 1)
+    ours = ppo.rollout(one_file(cfg), actor, critic, ref, tokenizer, {"prompt": [], "answer": answers})
+    for name in ("old_logprobs", "ref_logprobs", "full_kl", "values"):
+        torch.testing.assert_close(ours[name], trainers[name], msg=name)
+    assert ours["full_kl"][batch.seq.response_mask.bool()].min() > 0
+    assert ours["scores"].tolist() == [compute_score(text, answer) for text, answer in zip(texts, answers)]
