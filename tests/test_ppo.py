@@ -7,9 +7,11 @@ function of the gradients, which AdamW's first step is not) so must its weights.
 of the update: three responses end early, with padding after the end (GAE must not bootstrap from it); stale
 old log-probs put tokens in every region of the dual-clipped loss, for both signs of the advantage; the old
 log-probs come from each source the plan can choose (the forward pass, the sampler, the update's own).
-Deleting or altering any line of ppo.py or of the step that changes what is learned makes them differ.
-ppo.py as a program is tested last: its settings and optimizers are configs/tiny.yaml's, its flags refuse
-what they do not understand, and its own loop runs two steps.
+Where ppo.py has no counterpart (the other loss aggregations), the step's losses are held to core_algos' on
+the whole mini-batch. Deleting or altering a line of ppo.py or of the step that changes what is learned makes a
+test here fail. ppo.py as a program is tested last: its settings and optimizers are configs/tiny.yaml's, its
+flags refuse what they do not understand, its own sampling and rollout passes are the trainer's, and its own
+loop runs two steps.
 """
 
 import copy
@@ -431,6 +433,32 @@ def test_micro_batches_add_up_to_their_mini_batch(setup_run, estimator, mode):
         moved = (one - weights(start)).abs().max().item()  # the sums over tokens move the weights far: relative to it
         assert moved > 1e-4
         torch.testing.assert_close(micro, one, rtol=1e-5, atol=1e-4 * moved)
+
+
+@pytest.mark.parametrize("mode", core_algos.LOSS_AGG_MODES)
+def test_the_updates_losses_are_the_whole_mini_batchs_in_every_aggregation(setup_run, mode):
+    """One mini-batch of all 8 responses in micro-batches of 2, from stale old log-probs: the losses the update
+    back-propagates (its micro-batches', summed) are step.actor_loss and core_algos.value_loss on the whole
+    mini-batch with the aggregation's own counts (no normalisers passed): the normalisers the step computes
+    (tokens, sequences, the padded length) are the mini-batch's. ppo.py has the token mean only."""
+    cfg, accelerator, models, _, _, batch, scores = setup_run(
+        f"actor.loss_agg_mode={mode}", "actor.use_kl_loss=true", "actor.kl_loss_type=k3", "actor.entropy_coeff=0.05",
+        "actor.ppo_epochs=1", "actor.ppo_mini_batch_size=8")
+    actor, critic, _ = models
+    batch.old_logprobs = stale(batch)
+    with torch.no_grad():
+        logprobs, logits = step.logprobs_and_logits(actor, batch.seq, cfg.rollout.temperature)
+        values = step.response_values(critic, batch.seq)
+    seen = {}
+    batch, *_ = trainer_update(cfg, accelerator, models, batch, scores, cfg.algorithm.kl_ctrl.kl_coef, seen)
+    mask, entropy = batch.seq.response_mask, core_algos.entropy_from_logits(logits, cfg.rollout.temperature)
+    expected, _ = actor_loss(cfg.actor, logprobs, batch.old_logprobs, batch.advantages, mask, entropy,
+                             batch.ref_logprobs)
+    expected_vf, _ = core_algos.value_loss(values, batch.values, batch.returns, mask, cfg.critic.cliprange_value,
+                                           mode)
+    assert len(seen["losses"]) == 8  # 4 micro-batches x 2 models
+    assert sum(seen["losses"][0::2]) == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
+    assert sum(seen["losses"][1::2]) == pytest.approx(expected_vf.item(), rel=1e-4, abs=1e-6)
 
 
 ON_POLICY = {  # one epoch of one mini-batch of 8 (grpo: 16) responses in micro-batches of 2, no reward KL, no panel
