@@ -12,9 +12,10 @@ start, every 10 steps and at the end. Everything else is plain torch, transforme
 
 This is the algorithm train.py runs (rlhf/step.py): tests/test_ppo.py hands these functions and the trainer
 the same batch, models and settings, and checks that their losses, gradients and weights after an update
-agree. What this file leaves out, against the trainer:
+agree; it also checks that Args and the optimizers are configs/tiny.yaml's, and runs this loop for two steps.
+What this file leaves out, against the trainer:
 - critic-free advantages (grpo, rloo) and several responses per prompt (rollout.n); loss aggregations other
-  than the token mean; the adaptive KL coefficient; lr schedules and weight decay;
+  than the token mean; the adaptive KL coefficient; lr schedules;
 - micro-batches (a mini-batch is one forward and backward), several processes (DDP, FSDP2), mixed precision,
   the chunked float32 log-softmax (here the whole (B, R, V) float32 logits exist at once);
 - the speed shortcuts for the old log-probs (the sampler's, or the update's own): here always a forward pass;
@@ -52,6 +53,7 @@ class Args:
     temperature: float = 1.0  # rollout.temperature: sampling, and every log-prob
     actor_lr: float = 5e-5  # actor.lr (AdamW)
     critic_lr: float = 1e-3  # critic.lr
+    weight_decay: float = 0.0  # actor.weight_decay and critic.weight_decay (AdamW's; torch's default is 0.01)
     ppo_epochs: int = 2  # actor.ppo_epochs: passes over each batch
     mini_batch_size: int = 32  # actor.ppo_mini_batch_size: one optimizer step per model and mini-batch
     clip_ratio: float = 0.2  # actor.clip_ratio: PPO's epsilon
@@ -150,7 +152,7 @@ def advantages_and_returns(args, batch):
     rewards[torch.arange(len(mask)), mask.sum(1) - 1] = batch["scores"]
     if args.reward_kl:  # detached log-probs: in the reward, `X+` is X
         reward_kl = kl.parse_estimator(args.reward_kl)(batch["old_logprobs"], batch["ref_logprobs"], batch["full_kl"])
-        rewards = rewards - args.reward_kl_coef * torch.where(mask.bool(), reward_kl, 0.0)
+        rewards = rewards - args.reward_kl_coef * reward_kl  # past a response's end GAE reads no reward
     advantages, next_value, next_advantage = torch.zeros_like(values), 0.0, 0.0
     for t in reversed(range(values.shape[1])):  # after a response's last token, value and advantage are 0
         delta = rewards[:, t] + args.gamma * next_value - values[:, t]
@@ -224,12 +226,19 @@ def accuracy(actor, tokenizer, problems, args, batch_size=128):
     return torch.cat(scores).mean().item()
 
 
-def main(args):
+def optimizers(args, actor, critic):
+    """AdamW for the actor and the critic, with the trainer's settings (rlhf.setup.build_optimizers)."""
+    return [torch.optim.AdamW(actor.parameters(), lr=args.actor_lr, weight_decay=args.weight_decay),
+            torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)]
+
+
+def main(args, built=None):
+    """Train, print, return the actor; `built`: the embedded default's files, else built in args.cache_dir."""
     started = time.perf_counter()
     transformers.logging.set_verbosity_error()  # the critic's load report: its value head is new, by design
     transformers.logging.disable_progress_bar()
     accelerator = Accelerator()
-    built = prepare_embedded_default(args.cache_dir, EmbeddedConfig())  # minutes the first time, then cached
+    built = built or prepare_embedded_default(args.cache_dir, EmbeddedConfig())  # minutes the first time
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(built.model_dir, padding_side="left")
     train, val = load_problems(built.train_file, tokenizer), load_problems(built.val_file, tokenizer)
@@ -239,9 +248,7 @@ def main(args):
     config = AutoConfig.from_pretrained(built.model_dir, num_labels=1, classifier_dropout=0.0)
     critic = AutoModelForTokenClassification.from_pretrained(built.model_dir, config=config)
     torch.nn.init.zeros_(critic.score.weight)
-    optimizers = [torch.optim.AdamW(actor.parameters(), lr=args.actor_lr),
-                  torch.optim.AdamW(critic.parameters(), lr=args.critic_lr)]
-    actor, critic, *optimizers = accelerator.prepare(actor, critic.eval(), *optimizers)
+    actor, critic, *adamw = accelerator.prepare(actor, critic.eval(), *optimizers(args, actor, critic))
     ref = ref.to(accelerator.device)
     print(f"step 0: held-out accuracy {accuracy(actor, tokenizer, val, args):.3f}", flush=True)
     order = torch.Generator().manual_seed(args.seed)
@@ -250,21 +257,37 @@ def main(args):
         problems = {key: [values[i] for i in index] for key, values in train.items()}
         batch = rollout(args, actor, critic, ref, tokenizer, problems)
         batch["advantages"], batch["returns"] = advantages_and_returns(args, batch)
-        update(args, actor, critic, ref, optimizers, batch, step)
+        update(args, actor, critic, ref, adamw, batch, step)
         mask, d = batch["response_mask"], batch["old_logprobs"] - batch["ref_logprobs"]
         print(f"step {step}: score {batch['scores'].mean():.3f}, KL(pi || ref) per token "
               f"{masked_mean(batch['full_kl'], mask):.4f} (its k1 estimate {masked_mean(d, mask):.4f})", flush=True)
         if step % args.eval_every == 0 or step == args.total_steps:
             print(f"step {step}: held-out accuracy {accuracy(actor, tokenizer, val, args):.3f}", flush=True)
     print(f"done: {args.total_steps} steps in {time.perf_counter() - started:.0f} s")
+    return actor
+
+
+def boolean(text):
+    """`true` or `false`, as the trainer's config writes them; anything else is refused."""
+    if text not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text == "true"
+
+
+def estimator(text):
+    """A KL estimator's name (rlhf.kl), or `none`: no KL there."""
+    try:
+        return None if text == "none" else kl.parse_estimator(text).name
+    except ValueError as error:  # an unknown name, with the valid ones
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_args(argv=None) -> Args:
-    """Every Args field as a flag: --total-steps 10, --loss-kl k3+ (`none` turns a KL off), --entropy-coeff 0.01."""
+    """Every Args field as a flag: --total-steps 10, --loss-kl k3+ (`none` turns a KL off), --entropy-coeff 0.01,
+    --off-policy-correction true. A value a flag does not understand stops the run with the valid ones."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for field in dataclasses.fields(Args):
-        parse = {bool: lambda s: s == "true", str | None: lambda s: None if s == "none" else s}.get(field.type,
-                                                                                                     field.type)
+        parse = {bool: boolean, str | None: estimator}.get(field.type, field.type)
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=parse, default=field.default)
     return Args(**vars(parser.parse_args(argv)))
 

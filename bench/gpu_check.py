@@ -700,7 +700,7 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str, memory: Par
     import torch
 
     from rlhf.processes import sum_over_processes
-    from rlhf.step import plan_step, ppo_epochs, rewards_to_advantages, rollout
+    from rlhf.step import plan_step, ppo_update, rewards_to_advantages, rollout
 
     device = torch.device(args.device)
     rm = memory_model()
@@ -721,7 +721,7 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str, memory: Par
         _, batch.token_rewards, batch.advantages, batch.returns = rewards_to_advantages(
             cfg, plan, batch, scores, run.kl_ctrl.value, sum_over_processes(accelerator))
         # AdamW's moments are made at the first optimizer step: one update first, so every size counts them
-        ppo_epochs(cfg, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
+        ppo_update(cfg, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
         sweep = result["checkpointing" if checkpointing else "no_checkpointing"] = []
         for micro in sizes:
             cfg_micro = recipe_config(args, "ppo", model_dir, os.path.join(tmp, "sweep"),
@@ -735,7 +735,7 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str, memory: Par
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 start = time.perf_counter()
-                ppo_epochs(cfg_micro, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
+                ppo_update(cfg_micro, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
                 sync(device)
                 entry["seconds"] = round(time.perf_counter() - start, 2)
                 if device.type == "cuda":

@@ -335,8 +335,8 @@ def agg_loss(
 
 
 def policy_loss(
-    old_logprobs: torch.Tensor,
     logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     clip_ratio: float = 0.2,

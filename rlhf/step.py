@@ -36,6 +36,59 @@ if TYPE_CHECKING:  # annotations only
     from rlhf.setup import Setup
     from rlhf.tracking import Timer
 
+
+@dataclass
+class StepResult:
+    """What one step returns to the run."""
+
+    metrics: dict[str, float]  # averaged over processes
+    skipped: int  # optimizer updates skipped as non-finite
+    num_tokens: float  # prompt and response tokens of all processes
+    samples: list[dict]  # the batch's first responses as rows (rlhf.samples)
+
+
+def train_step(cfg: Config, plan: Plan, accelerator, run: Setup, step: int, timer: Timer,
+               num_samples: int = 0) -> StepResult:
+    """One PPO step on this process's share of the global batch (`plan` is plan_step(cfg, ...))."""
+    prompts = run.train_set[process_share(run.prompt_order.next_batch(), accelerator.process_index,
+                                          accelerator.num_processes)]
+    prompt_rows, group_ids = repeat_prompts(prompts, cfg.rollout.n)  # each prompt's group of rollout.n responses
+    noise = (paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device)
+             if cfg.rollout.paired_noise else None)  # same-seed runs draw the same noise (common random numbers)
+    batch = rollout(cfg, plan, accelerator, run.models, run.tokenizer, prompt_rows,
+                    group_ids.to(accelerator.device), noise, timer)
+    with timer("reward"):
+        scored = rewards.score_batch(run.reward, run.tokenizer, batch.seq, prompt_rows)
+
+    reduce_sum, metrics = sum_over_processes(accelerator), {}
+    reward_kl, batch.token_rewards, batch.advantages, batch.returns = rewards_to_advantages(
+        cfg, plan, batch, scored.scores, run.kl_ctrl.value, reduce_sum)
+    if reward_kl is not None:
+        metrics["actor/reward_kl_penalty"] = core_algos.sequence_mean(reward_kl, batch.seq.response_mask, reduce_sum)
+        metrics["actor/reward_kl_penalty_coeff"] = run.kl_ctrl.value
+    learned, skipped, own_old_logprobs = ppo_update(cfg, plan, accelerator, run.models, run.optimizers, batch,
+                                                    step, timer)
+    metrics.update(mean_over_processes(accelerator, learned))
+    if plan.reward_estimator is not None and math.isfinite(metrics["actor/reward_kl_penalty"]):
+        run.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
+    if plan.loss_estimator is not None:
+        metrics["actor/kl_coef"] = cfg.actor.kl_loss_coef
+    # The lr this step's updates used; then one step of each schedule: once per PPO step, as verl.
+    for name, scheduler in zip(("actor", "critic"), run.lr_schedulers):
+        if scheduler is not None:
+            metrics[f"{name}/lr"] = scheduler.get_last_lr()[0]
+            scheduler.step()
+    stop_ids = stop_token_ids(accelerator.unwrap_model(run.models[0]), run.tokenizer)
+    old_logprobs = own_old_logprobs if plan.old_logprobs_from == "update" else batch.old_logprobs
+    metrics.update(batch_metrics(cfg, accelerator, batch, scored, old_logprobs, stop_ids))
+    samples = sample_rows(run.tokenizer, batch.seq, scored, stop_ids, num_samples) if num_samples else []
+    num_tokens = accelerator.reduce(batch.seq.attention_mask.sum().float(), "sum").item()
+    return StepResult(metrics=metrics, skipped=skipped, num_tokens=num_tokens, samples=samples)
+
+
+# ----------------------------------------------------------------------------- the plan: what the config decides once
+
+
 OldLogprobsFrom = Literal["forward", "sampler", "update"]
 
 
@@ -59,8 +112,10 @@ def plan_step(cfg: Config, mixed_precision: str) -> Plan:
     # log-probs agree with the recomputed ones to float rounding (docs/training.md, the measured mismatch).
     keep = cfg.rollout.logprobs_from_sampler
     keep = keep if keep is not None else cfg.model.dtype == "float32" and mixed_precision == "no"
-    return Plan(reward_estimator, kl.parse_estimator(ac.kl_loss_type) if ac.use_kl_loss else None,
-                old_logprobs_from(cfg, keep), keep, rollout_full_kl(cfg))
+    return Plan(reward_estimator=reward_estimator,
+                loss_estimator=kl.parse_estimator(ac.kl_loss_type) if ac.use_kl_loss else None,
+                old_logprobs_from=old_logprobs_from(cfg, keep), keep_sampler_logprobs=keep,
+                rollout_full_kl=rollout_full_kl(cfg))
 
 
 def rollout_full_kl(cfg: Config) -> bool:
@@ -106,71 +161,23 @@ class Batch:
 
     def rows(self, index) -> Batch:
         """The rows `index` of every tensor (a micro-batch)."""
-        return Batch(*(None if (v := getattr(self, f.name)) is None else v.rows(index) if f.name == "seq" else
-                       v[index] for f in dataclasses.fields(self)))
+        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v.rows(index) if f.name == "seq"
+                        else v[index] for f in dataclasses.fields(self)})
 
-
-@dataclass
-class StepResult:
-    """What one step returns to the run."""
-
-    metrics: dict[str, float]  # averaged over processes
-    skipped: int  # optimizer updates skipped as non-finite
-    num_tokens: float  # prompt and response tokens of all processes
-    samples: list[dict]  # the batch's first responses as rows (rlhf.samples)
-
-
-def train_step(cfg: Config, plan: Plan, accelerator, run: Setup, step: int, timer: Timer,
-               num_samples: int = 0) -> StepResult:
-    """One PPO step on this process's share of the global batch (`plan` is plan_step(cfg, ...))."""
-    prompts = run.train_set[process_share(run.prompt_order.next_batch(), accelerator.process_index,
-                                          accelerator.num_processes)]
-    rows, group_ids = repeat_prompts(prompts, cfg.rollout.n)  # each prompt's group of rollout.n responses
-    noise = (paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device)
-             if cfg.rollout.paired_noise else None)  # same-seed runs draw the same noise (common random numbers)
-    batch = rollout(cfg, plan, accelerator, run.models, run.tokenizer, rows, group_ids.to(accelerator.device),
-                    noise, timer)
-    with timer("reward"):
-        scored = rewards.score_batch(run.reward, run.tokenizer, batch.seq, rows)
-
-    reduce_sum, metrics = sum_over_processes(accelerator), {}
-    reward_kl, batch.token_rewards, batch.advantages, batch.returns = rewards_to_advantages(
-        cfg, plan, batch, scored.scores, run.kl_ctrl.value, reduce_sum)
-    if reward_kl is not None:
-        metrics["actor/reward_kl_penalty"] = core_algos.sequence_mean(reward_kl, batch.seq.response_mask, reduce_sum)
-        metrics["actor/reward_kl_penalty_coeff"] = run.kl_ctrl.value
-    update_metrics, skipped, own_old_logprobs = ppo_epochs(cfg, plan, accelerator, run.models, run.optimizers,
-                                                           batch, step, timer)
-    metrics.update(mean_over_processes(accelerator, update_metrics))
-    if plan.reward_estimator is not None and math.isfinite(metrics["actor/reward_kl_penalty"]):
-        run.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
-    if plan.loss_estimator is not None:
-        metrics["actor/kl_coef"] = cfg.actor.kl_loss_coef
-    # The lr this step's updates used; then one step of each schedule: once per PPO step, as verl.
-    for name, scheduler in zip(("actor", "critic"), run.lr_schedulers):
-        if scheduler is not None:
-            metrics[f"{name}/lr"] = scheduler.get_last_lr()[0]
-            scheduler.step()
-    stop_ids = stop_token_ids(accelerator.unwrap_model(run.models[0]), run.tokenizer)
-    old_logprobs = own_old_logprobs if plan.old_logprobs_from == "update" else batch.old_logprobs
-    metrics.update(batch_metrics(cfg, accelerator, batch, scored, old_logprobs, stop_ids))
-    samples = sample_rows(run.tokenizer, batch.seq, scored, stop_ids, num_samples) if num_samples else []
-    num_tokens = accelerator.reduce(batch.seq.attention_mask.sum().float(), "sum").item()
-    return StepResult(metrics, skipped, num_tokens, samples)
 
 
 # ----------------------------------------------------------------------------- rollout
 
 
 @torch.no_grad()
-def rollout(cfg: Config, plan: Plan, accelerator, models, tokenizer, rows, group_ids: torch.Tensor,
+def rollout(cfg: Config, plan: Plan, accelerator, models, tokenizer, prompt_rows, group_ids: torch.Tensor,
             noise: torch.Generator | None, timer: Timer) -> Batch:
-    """Sample one response per row (the noise from `noise`, or the global random state); then the forward
+    """Sample one response per prompt row (the noise from `noise`, or the global random state); then the forward
     passes at the rollout's weights, in micro-batches of rollout.log_prob_micro_batch_size: the actor's (the
     old log-probs, where plan.old_logprobs_from says "forward"), the reference's (when there is one) with the
     exact KL both ways from both models' logits (where the plan or the panel needs it), the critic's values."""
     (actor, critic, ref), r = models, cfg.rollout
-    prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
+    prompt_ids, prompt_mask = left_pad(prompt_rows["input_ids"], tokenizer.pad_token_id)
     params = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p, ignore_eos=r.ignore_eos)
     with timer("gen"), accelerator.autocast():
         seq = generate(accelerator.unwrap_model(actor), tokenizer, prompt_ids.to(accelerator.device),
@@ -197,9 +204,11 @@ def rollout(cfg: Config, plan: Plan, accelerator, models, tokenizer, rows, group
                 passes["values"].append(response_values(critic, micro))
     passes = {name: torch.cat(parts) for name, parts in passes.items()}
     from_sampler = plan.old_logprobs_from == "sampler"
-    return Batch(seq, group_ids, seq.logprobs if from_sampler else passes.get("old_logprobs"),
-                 passes.get("ref_logprobs"), passes.get("full_kl"), passes.get("full_forward_kl"),
-                 passes.get("values"), None if from_sampler else seq.logprobs)
+    return Batch(seq=seq, group_ids=group_ids,
+                 old_logprobs=seq.logprobs if from_sampler else passes.get("old_logprobs"),
+                 ref_logprobs=passes.get("ref_logprobs"), full_kl=passes.get("full_kl"),
+                 full_forward_kl=passes.get("full_forward_kl"), values=passes.get("values"),
+                 sampler_logprobs=None if from_sampler else seq.logprobs)
 
 
 def response_logits(model, seq: Sequences) -> torch.Tensor:
@@ -246,12 +255,12 @@ def rewards_to_advantages(cfg: Config, plan: Plan, batch: Batch, scores: torch.T
 # ----------------------------------------------------------------------------- PPO epochs
 
 
-def ppo_epochs(cfg: Config, plan: Plan, accelerator, models, optimizers, batch: Batch, step: int,
+def ppo_update(cfg: Config, plan: Plan, accelerator, models, optimizers, batch: Batch, step: int,
                timer: Timer) -> tuple[dict[str, float], int, torch.Tensor | None]:
     """`actor.ppo_epochs` passes over the batch in mini-batches (`minibatches`), each in micro-batches whose
     gradients add up to the mini-batch's: one optimizer step per model and mini-batch (the critic only when
-    there is one). Returns (metrics: the mean over mini-batches, the maximum for keys ending in /max; the
-    optimizer updates skipped as non-finite; the update's own old log-probs (B, R), where the plan takes them)."""
+    there is one). Returns (metrics (`update_metrics`); the optimizer updates skipped as non-finite; the
+    update's own old log-probs (B, R), where the plan takes them)."""
     (actor, critic, _), (actor_opt, critic_opt), ac, mask = models, optimizers, cfg.actor, batch.seq.response_mask
     own_old = torch.zeros(mask.shape, device=mask.device) if plan.old_logprobs_from == "update" else None
     world, mini_size = accelerator.num_processes, ac.ppo_mini_batch_size * cfg.rollout.n  # responses
@@ -259,18 +268,19 @@ def ppo_epochs(cfg: Config, plan: Plan, accelerator, models, optimizers, batch: 
     if critic is not None:
         learners.append(("critic", critic, critic_opt, cfg.critic.grad_clip))
     records, skipped = defaultdict(list), 0
-    for mini_index in minibatches(len(mask), mini_size // world, ac.ppo_epochs, cfg.trainer.seed, step):
+    mini_indices = minibatches(len(mask), mini_size // world, ac.ppo_epochs, cfg.trainer.seed, step)
+    for mini_index in mini_indices:
         # Normalised by the global mini-batch (all micro-batches, all processes), so that the summed
         # micro-batch gradients are the mini-batch's.
         norm = dict(num_tokens=accelerator.reduce(mask[mini_index].sum().float(), "sum"), num_seqs=mini_size,
                     norm_len=mask.shape[1])
-        losses, finite = defaultdict(float), {name: True for name, *_ in learners}
+        finite = {name: True for name, *_ in learners}
         micro_indices = mini_index.split(ac.ppo_micro_batch_size)
         for i, micro_index in enumerate(micro_indices):
             micro, last = batch.rows(micro_index), i == len(micro_indices) - 1
             with timer("update_actor"), gradient_sync(accelerator, actor, last):
                 with accelerator.autocast():  # forward only: the backward runs outside autocast
-                    loss, micro_metrics, logprobs = micro_actor_loss(cfg, plan, models, micro, norm)
+                    loss, metrics, logprobs = micro_actor_loss(cfg, plan, models, micro, norm)
                 finite["actor"] &= backward(accelerator, loss)
             if own_old is not None:
                 own_old[micro_index] = logprobs
@@ -282,24 +292,27 @@ def ppo_epochs(cfg: Config, plan: Plan, accelerator, models, optimizers, batch: 
                         values, micro.values, micro.returns, micro.seq.response_mask, cfg.critic.cliprange_value,
                         ac.loss_agg_mode, **norm)
                     finite["critic"] &= backward(accelerator, vf_loss)
-                micro_metrics.update(critic_metrics)
-            for key, value in micro_metrics.items():
-                if key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss"):
-                    losses[key] += value  # summed over micro-batches: the mini-batch's loss
-                else:
-                    records[key].append(value)
-        # Each process holds its share of the global mini-batch loss; x world so that the mean over
-        # processes (train_step) is their sum.
-        for key, value in losses.items():
-            records[key].append(value * world)
+                metrics.update(critic_metrics)
+            for key, value in metrics.items():
+                records[key].append(value)
         with timer("update_step"):
             num_skipped, grad_norms = optimizer_steps(accelerator, learners, list(finite.values()))
         skipped += num_skipped
         for (name, *_), grad_norm in zip(learners, grad_norms):
             records[f"{name}/grad_norm"].append(grad_norm)
-    metrics = {key: max(values) if key.endswith("/max") else sum(values) / len(values)
-               for key, values in records.items()}
-    return metrics, skipped, own_old
+    return update_metrics(records, len(mini_indices), world), skipped, own_old
+
+
+MINI_BATCH_LOSSES = ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss")  # normalised by the whole mini-batch
+
+
+def update_metrics(records: dict[str, list[float]], num_minibatches: int, world: int) -> dict[str, float]:
+    """The update's metrics from every micro-batch's (and mini-batch's) records: for a loss, the mean over
+    mini-batches of the sum of a mini-batch's micro-batches (x world: each process holds its share of the
+    global mini-batch's loss, and train_step averages over processes); for keys ending in /max the maximum;
+    for the others the mean."""
+    return {key: sum(values) * world / num_minibatches if key in MINI_BATCH_LOSSES else
+            max(values) if key.endswith("/max") else sum(values) / len(values) for key, values in records.items()}
 
 
 def minibatches(num_local: int, local_mini_size: int, num_epochs: int, seed: int, step: int) -> list[torch.Tensor]:
@@ -342,7 +355,7 @@ def actor_loss(ac, estimator: kl.KLEstimator | None, logprobs: torch.Tensor, old
     (differentiable through the actor's logits) only for a `full` estimator. `norm` (num_tokens, num_seqs,
     norm_len) normalises by the whole mini-batch, so that micro-batch losses add up to its loss."""
     norm = norm or {}
-    loss, metrics = core_algos.policy_loss(old_logprobs, logprobs, advantages, response_mask, ac.clip_ratio,
+    loss, metrics = core_algos.policy_loss(logprobs, old_logprobs, advantages, response_mask, ac.clip_ratio,
                                            ac.clip_ratio_c, ac.loss_agg_mode, **norm)
     if ac.entropy_coeff:
         loss = loss - ac.entropy_coeff * core_algos.agg_loss(entropy, response_mask, ac.loss_agg_mode, **norm)

@@ -201,7 +201,7 @@ def test_agg_loss_microbatches_with_global_normalisers_sum_to_batch_loss(mode):
 def test_policy_loss_reports_the_importance_ratio_over_valid_tokens():
     old = torch.zeros(2, 3)
     logprobs = torch.log(torch.tensor([[2.0, 0.5, 1.0], [9.0, 1.5, 1.0]]))  # ratio = these; 9.0 is padding
-    _, metrics = policy_loss(old, logprobs, torch.ones(2, 3), torch.tensor([[1, 1, 1], [0, 1, 1]]))
+    _, metrics = policy_loss(logprobs, old, torch.ones(2, 3), torch.tensor([[1, 1, 1], [0, 1, 1]]))
     assert metrics["actor/importance_ratio/mean"] == pytest.approx((2.0 + 0.5 + 1.0 + 1.5 + 1.0) / 5)
     assert metrics["actor/importance_ratio/max"] == pytest.approx(2.0)
 
@@ -229,7 +229,7 @@ def _crafted_policy_batch():
 
 def test_policy_loss_clipfrac_and_gradient_zero_where_clipped():
     old_logprobs, logprobs, advantages, mask = _crafted_policy_batch()
-    loss, metrics = policy_loss(old_logprobs, logprobs, advantages, mask, clip_ratio=0.2)
+    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio=0.2)
     # per token: A=+1 r=1.5 -> clipped -1.2; A=+1 r=0.5 -> -0.5; A=-1 r=1.5 -> 1.5; A=-1 r=0.5 -> clipped 0.8
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.5 + 0.8) / 4)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)  # the masked (clipped) token is not counted
@@ -246,7 +246,7 @@ def test_policy_loss_dual_clip_caps_negative_advantage_loss():
     advantages = torch.tensor([[-1.0, -2.0, 1.0]])
     logprobs = torch.tensor([[3.0, 0.1, 3.0]], requires_grad=True)  # ratios e^3 = 20.1, 1.105, 20.1
     mask = torch.ones(1, 3)
-    loss, metrics = policy_loss(torch.zeros(1, 3), logprobs, advantages, mask, clip_ratio_c=3.0)
+    loss, metrics = policy_loss(logprobs, torch.zeros(1, 3), advantages, mask, clip_ratio_c=3.0)
     # A=-1, r=20.1: PPO loss 20.1 capped at 3; A=-2, r=1.105: 2.21 < cap 6; A=+1: clipped to -1.2
     expected = (3.0 + 2.0 * math.exp(0.1) - 1.2) / 3
     assert loss.item() == pytest.approx(expected, rel=1e-5)
@@ -257,13 +257,13 @@ def test_policy_loss_dual_clip_caps_negative_advantage_loss():
     assert logprobs.grad[0, 1] != 0.0
 
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        policy_loss(torch.zeros(1, 3), logprobs, advantages, mask, clip_ratio_c=1.0)
+        policy_loss(logprobs, torch.zeros(1, 3), advantages, mask, clip_ratio_c=1.0)
 
 
 def test_policy_loss_float32_and_finite_for_huge_log_ratio():
     advantages = torch.tensor([[1.0, -1.0, 1.0]])
     logprobs = torch.tensor([[100.0, 100.0, -0.5]], dtype=torch.bfloat16, requires_grad=True)
-    loss, _ = policy_loss(torch.zeros(1, 3, dtype=torch.bfloat16), logprobs, advantages, torch.ones(1, 3))
+    loss, _ = policy_loss(logprobs, torch.zeros(1, 3, dtype=torch.bfloat16), advantages, torch.ones(1, 3))
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx((-1.2 + 3.0 - math.exp(-0.5)) / 3, rel=1e-2)
     loss.backward()
@@ -274,7 +274,7 @@ def test_policy_loss_float32_and_finite_for_huge_log_ratio():
 def test_policy_loss_uses_aggregation_mode(mode):
     old_logprobs, logprobs, advantages, mask = _crafted_policy_batch()
     token_losses = torch.tensor([[-1.2, -0.5, 1.5, 0.8, 0.0]])
-    loss, _ = policy_loss(old_logprobs, logprobs, advantages, mask, loss_agg_mode=mode, num_seqs=3)
+    loss, _ = policy_loss(logprobs, old_logprobs, advantages, mask, loss_agg_mode=mode, num_seqs=3)
     assert loss.item() == pytest.approx(agg_loss(token_losses, mask, mode, num_seqs=3).item(), rel=1e-5)
 
 

@@ -69,13 +69,13 @@ def test_the_schedulers_step_the_optimizers_lr_through_the_closed_form():
 def test_each_step_logs_the_lr_its_updates_used(artifacts, tmp_path, monkeypatch):
     """actor cosine with warmup, critic linear with a floor, 4 steps: actor/lr and critic/lr follow the closed
     form and are what the optimizers held during that step's updates. Without a critic, no critic/lr."""
-    used, original = [], rlhf.step.ppo_epochs
+    used, original = [], rlhf.step.ppo_update
 
     def spy(cfg, plan, accelerator, models, optimizers, *args):
         used.append([opt.param_groups[0]["lr"] for opt in optimizers if opt is not None])
         return original(cfg, plan, accelerator, models, optimizers, *args)
 
-    monkeypatch.setattr(rlhf.step, "ppo_epochs", spy)
+    monkeypatch.setattr(rlhf.step, "ppo_update", spy)
     rows = run(artifacts, tmp_path / "gae", "trainer.total_steps=4", "actor.lr_scheduler_type=cosine",
                "actor.lr_warmup_steps=1", "actor.min_lr_ratio=0.1", "critic.lr_scheduler_type=linear",
                "critic.min_lr_ratio=0.5")

@@ -3,19 +3,26 @@
 ppo.py is the algorithm written straight through: whole mini-batches, no micro-batches, no accelerate in the
 update, the math inline. Given the trainer's batch, models and settings, its losses and gradients must be the
 trainer's, and after a whole update with SGD optimizers in place of AdamW (so that the weights are a direct
-function of the gradients, which AdamW's first step is not) so must its weights. Deleting or altering any line
-of the step that changes what is learned (the KL penalty in the rewards, the KL term or the entropy bonus in the
-loss, whitening, GAE's gamma/lambda, the micro-batch normalisers, the mini-batch order, clipping, zero_grad)
-makes them differ.
+function of the gradients, which AdamW's first step is not) so must its weights. The batches take every branch
+of the update: three responses end early, with padding after the end (GAE must not bootstrap from it); stale
+old log-probs put tokens in every region of the dual-clipped loss, for both signs of the advantage; the old
+log-probs come from each source the plan can choose (the forward pass, the sampler, the update's own).
+Where ppo.py has no counterpart (the other loss aggregations), the step's losses are held to core_algos' on
+the whole mini-batch. Deleting or altering a line of ppo.py or of the step that changes what is learned makes a
+test here fail. ppo.py as a program is tested last: its settings and optimizers are configs/tiny.yaml's, its
+flags refuse what they do not understand, its own sampling and rollout passes are the trainer's, and its own
+loop runs two steps.
 """
 
 import copy
 import dataclasses
+import os
 
 import pytest
 import torch
+import transformers
 from accelerate import Accelerator
-from helpers import tiny_overrides
+from helpers import REPO, tiny_overrides
 
 import ppo
 import rlhf.setup
@@ -62,7 +69,7 @@ def test_actor_loss_gradient_is_the_policy_gradient_plus_the_kl_and_entropy_term
     loss.backward()
 
     pg_logprobs = logprobs.detach().requires_grad_()
-    pg_loss, _ = core_algos.policy_loss(old, pg_logprobs, advantages, mask, cfg.clip_ratio, cfg.clip_ratio_c)
+    pg_loss, _ = core_algos.policy_loss(pg_logprobs, old, advantages, mask, cfg.clip_ratio, cfg.clip_ratio_c)
     pg_loss.backward()
     num_tokens = mask.sum()
     expected = pg_logprobs.grad.clone()
@@ -179,7 +186,12 @@ CASES = {
     # k3 in the loss only, no gradient clipping (it would hide the losses' scale), k2 in the reward
     "loss_k3_reward_k2": ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k2", "actor.use_kl_loss=true",
                           "actor.kl_loss_type=k3", "actor.grad_clip=1e6", "critic.grad_clip=1e6"],
+    # no KL panel: the old log-probs are the sampler's (plan "sampler"), and they are the ratio's
+    "sampler_reward_k3": ["trainer.log_kl_panel=false", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k3",
+                          "actor.use_kl_loss=true", "actor.kl_loss_type=k1", "actor.grad_clip=1e6",
+                          "critic.grad_clip=1e6"],
 }
+SOURCES = {"sampler_reward_k3": "sampler"}  # the others: "forward" (the KL panel needs the actor's logits)
 COMMON = ["algorithm.gamma=0.9", "algorithm.lam=0.8", "algorithm.kl_ctrl.kl_coef=0.5", "actor.kl_loss_coef=0.5",
           "actor.ppo_epochs=2", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=2",
           "rollout.temperature=0.7", "rollout.log_prob_micro_batch_size=3", "trainer.logger=none"]
@@ -204,9 +216,9 @@ def setup_run(artifacts, tmp_path):
     """A config, an accelerator, the trainer's models, prompt rows, a rollout batch and scores with every kind
     of group (mixed, all 0, all 1) when n > 1. The actor is perturbed so that it differs from the reference
     (else every KL is 0), and the critic's head so that the values are not all 0 (else GAE could not tell
-    gamma from lambda, nor value clipping act)."""
+    gamma from lambda, nor value clipping act). Three responses end early (`ended_early`)."""
 
-    def make(*extra):
+    def make(*extra, short=True):
         cfg = load_config(None, tiny_overrides(artifacts, str(tmp_path), *COMMON, *extra))
         accelerator = Accelerator(cpu=True)
         tokenizer, train_set, _, actor, critic, ref = rlhf.setup.prepare_data_and_models(cfg, accelerator)
@@ -217,23 +229,65 @@ def setup_run(artifacts, tmp_path):
             if critic is not None:
                 critic.score.weight.normal_(std=0.1)
         rows, group_ids = repeat_prompts(train_set[list(range(cfg.data.train_batch_size))], cfg.rollout.n)
-        batch = rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, group_ids)
+        batch = rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, group_ids, short=short)
         return cfg, accelerator, (actor, critic, ref), tokenizer, rows, batch, torch.tensor(SCORES * cfg.rollout.n)
 
     return make
 
 
-def rollout(cfg, accelerator, models, tokenizer, rows, group_ids, timer=None):
-    return step.rollout(cfg, step.plan_step(cfg, accelerator.mixed_precision), accelerator, models, tokenizer, rows,
-                        group_ids, None, timer or Timer())
+def rollout(cfg, accelerator, models, tokenizer, rows, group_ids, timer=None, short=True):
+    """step.rollout with the config's plan; `short`: three responses end early (`ended_early`)."""
+    plan = step.plan_step(cfg, accelerator.mixed_precision)
+    with pytest.MonkeyPatch.context() as patch:
+        if short:
+            sampled = step.generate
+            patch.setattr(step, "generate", lambda *a, **k: ended_early(sampled(*a, **k), tokenizer))
+        return step.rollout(cfg, plan, accelerator, models, tokenizer, rows, group_ids, None, timer or Timer())
+
+
+def ended_early(seq: Sequences, tokenizer) -> Sequences:
+    """`seq` with responses 1, 4 and 6 ended by an end-of-sequence token at positions 0, 3 and 9, padded after
+    it (the tiny model never samples one): the last token of a response is then followed by padding, where GAE
+    must not bootstrap and no loss may count. The sampler's log-probs, where kept, are 0 after the end."""
+    response_ids = seq.response_ids.clone()
+    for row, position in ((1, 0), (4, 3), (6, 9)):
+        response_ids[row, position] = tokenizer.eos_token_id
+        response_ids[row, position + 1:] = tokenizer.pad_token_id
+    mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+    logprobs = None if seq.logprobs is None else torch.where(mask.bool(), seq.logprobs, 0.0)
+    return Sequences.build(seq.prompt_ids, seq.prompt_mask, response_ids, mask, logprobs)
+
+
+def stale(batch: step.Batch, scale: float = 1.0) -> torch.Tensor:
+    """Old log-probs far from the actor's (seeded noise of std `scale` added): ratios on both sides of
+    1 +- clip_ratio and past clip_ratio_c, so that every branch of the clipped loss is taken from the first
+    mini-batch on. The same tensor goes to both implementations."""
+    noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(5))
+    return batch.old_logprobs + scale * noise
+
+
+def assert_every_clip_branch(ratio, advantages, mask, clip_ratio=0.2, clip_ratio_c=3.0):
+    """Valid tokens in each region of the dual-clipped loss: A > 0 below, inside and above the clip range,
+    A < 0 below it, inside it, between 1 + clip_ratio and clip_ratio_c, and past clip_ratio_c (the dual clip)."""
+    valid = mask.bool()
+    pos, neg = valid & (advantages > 0), valid & (advantages < 0)
+    low, high, capped = ratio < 1 - clip_ratio, ratio > 1 + clip_ratio, ratio > clip_ratio_c
+    inside = ~low & ~high
+    regions = {"A>0 low": pos & low, "A>0 inside": pos & inside, "A>0 high": pos & high, "A<0 low": neg & low,
+               "A<0 inside": neg & inside, "A<0 high": neg & high & ~capped, "A<0 past c": neg & capped}
+    assert all(region.any() for region in regions.values()), str({k: int(v.sum()) for k, v in regions.items()})
 
 
 def one_file(cfg) -> ppo.Args:
-    """ppo.py's settings for the trainer's config (ppo.py covers GAE, one response per prompt, the token mean)."""
-    a, ac = cfg.algorithm, cfg.actor
+    """ppo.py's settings for the trainer's config (ppo.py covers GAE, one response per prompt, the token mean, one
+    grad_clip and one weight_decay for both models)."""
+    a, ac, t = cfg.algorithm, cfg.actor, cfg.trainer
     assert (a.adv_estimator, cfg.rollout.n, ac.loss_agg_mode) == ("gae", 1, "token-mean")
-    assert ac.grad_clip == cfg.critic.grad_clip
-    return ppo.Args(seed=cfg.trainer.seed, temperature=cfg.rollout.temperature, ppo_epochs=ac.ppo_epochs,
+    assert ac.grad_clip == cfg.critic.grad_clip and ac.weight_decay == cfg.critic.weight_decay
+    return ppo.Args(seed=t.seed, total_steps=t.total_steps, batch_size=cfg.data.train_batch_size,
+                    max_response_length=cfg.data.max_response_length, actor_lr=ac.lr, critic_lr=cfg.critic.lr,
+                    weight_decay=ac.weight_decay, eval_every=t.test_freq, cache_dir=t.cache_dir,
+                    temperature=cfg.rollout.temperature, ppo_epochs=ac.ppo_epochs,
                     mini_batch_size=ac.ppo_mini_batch_size, clip_ratio=ac.clip_ratio, clip_ratio_c=ac.clip_ratio_c,
                     cliprange_value=cfg.critic.cliprange_value, grad_clip=ac.grad_clip, gamma=a.gamma, lam=a.lam,
                     reward_kl=a.kl_penalty if a.use_kl_in_reward else None, reward_kl_coef=a.kl_ctrl.kl_coef,
@@ -248,7 +302,19 @@ def one_file_batch(batch: step.Batch, scores) -> dict:
                "response_ids": seq.response_ids, "response_mask": seq.response_mask, "scores": scores,
                "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs, "full_kl": batch.full_kl,
                "values": batch.values}
-    return {name: tensor for name, tensor in tensors.items() if tensor is not None}  # no exact KL without the panel
+    if batch.full_kl is None:  # no exact KL without the panel: NaN, so that an estimator reading it would show
+        tensors["full_kl"] = torch.full(seq.response_mask.shape, float("nan"))
+    return {name: tensor for name, tensor in tensors.items() if tensor is not None}
+
+
+def assert_old_logprobs_source(cfg, batch: step.Batch, source: str):
+    """The plan takes the old log-probs from `source`, and the rollout batch holds them: the sampler's own
+    tensor, or the forward pass's (then the sampler's are kept beside them, to compare)."""
+    assert step.plan_step(cfg, "no").old_logprobs_from == source
+    if source == "sampler":
+        assert batch.old_logprobs is batch.seq.logprobs and batch.sampler_logprobs is None
+    else:
+        assert batch.old_logprobs is not None and batch.sampler_logprobs is batch.seq.logprobs
 
 
 def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None):
@@ -280,7 +346,7 @@ def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None):
         if seen is not None:
             patch.setattr(step, "optimizer_steps", optimizer_steps)
             patch.setattr(step, "backward", backward)
-        metrics, skipped, own_old_logprobs = step.ppo_epochs(cfg, plan, accelerator, models, optimizers, batch, 3,
+        metrics, skipped, own_old_logprobs = step.ppo_update(cfg, plan, accelerator, models, optimizers, batch, 3,
                                                              Timer())
     return batch, metrics, skipped, own_old_logprobs
 
@@ -289,10 +355,12 @@ def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None):
 def test_the_one_file_ppo_has_the_trainers_advantages_losses_and_gradients(setup_run, case):
     """One mini-batch of all 8 responses, in the trainer's micro-batches of 2: the advantages and returns, the
     actor's and the critic's loss (the trainer's: its micro-batches' summed) and both models' gradients are
-    ppo.py's on the whole mini-batch."""
+    ppo.py's on the whole mini-batch. Stale old log-probs put tokens in every region of the clipped loss."""
     cfg, accelerator, models, _, _, batch, scores = setup_run(*CASES[case], "actor.ppo_epochs=1",
                                                               "actor.ppo_mini_batch_size=8")
     actor, critic, ref = models
+    assert_old_logprobs_source(cfg, batch, SOURCES.get(case, "forward"))
+    batch.old_logprobs = stale(batch)
     args, expected = one_file(cfg), one_file_batch(batch, scores)
     expected["advantages"], expected["returns"] = ppo.advantages_and_returns(args, expected)
     start = copy.deepcopy(actor), copy.deepcopy(critic)
@@ -300,8 +368,12 @@ def test_the_one_file_ppo_has_the_trainers_advantages_losses_and_gradients(setup
     (actor_loss + critic_loss).backward()
 
     seen = {}
-    batch, _, skipped, _ = trainer_update(cfg, accelerator, models, batch, scores, cfg.algorithm.kl_ctrl.kl_coef, seen)
-    assert skipped == 0
+    with torch.no_grad():
+        logprobs = step.logprobs_and_logits(actor, batch.seq, cfg.rollout.temperature)[0]
+    batch, metrics, skipped, _ = trainer_update(cfg, accelerator, models, batch, scores,
+                                                cfg.algorithm.kl_ctrl.kl_coef, seen)
+    assert skipped == 0 and metrics["actor/pg_clipfrac_lower"] > 0
+    assert_every_clip_branch(torch.exp(logprobs - batch.old_logprobs), batch.advantages, batch.seq.response_mask)
     mask = batch.seq.response_mask.bool()
     torch.testing.assert_close(batch.advantages, expected["advantages"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(batch.returns, expected["returns"])
@@ -316,9 +388,12 @@ def test_the_one_file_ppo_has_the_trainers_advantages_losses_and_gradients(setup
 
 @pytest.mark.parametrize("case", CASES)
 def test_an_update_reaches_the_weights_of_the_one_file_ppo(setup_run, case):
-    """Two epochs of two mini-batches each: the trainer's update and ppo.update reach the same weights."""
+    """Two epochs of two mini-batches each, from stale old log-probs: the trainer's update and ppo.update reach
+    the same weights."""
     cfg, accelerator, models, _, _, batch, scores = setup_run(*CASES[case])
     actor, critic, ref = models
+    assert_old_logprobs_source(cfg, batch, SOURCES.get(case, "forward"))
+    batch.old_logprobs = stale(batch)
     expected_models = copy.deepcopy(actor), copy.deepcopy(critic)
     args, expected = one_file(cfg), one_file_batch(batch, scores)
     expected["advantages"], expected["returns"] = ppo.advantages_and_returns(args, expected)
@@ -358,6 +433,32 @@ def test_micro_batches_add_up_to_their_mini_batch(setup_run, estimator, mode):
         moved = (one - weights(start)).abs().max().item()  # the sums over tokens move the weights far: relative to it
         assert moved > 1e-4
         torch.testing.assert_close(micro, one, rtol=1e-5, atol=1e-4 * moved)
+
+
+@pytest.mark.parametrize("mode", core_algos.LOSS_AGG_MODES)
+def test_the_updates_losses_are_the_whole_mini_batchs_in_every_aggregation(setup_run, mode):
+    """One mini-batch of all 8 responses in micro-batches of 2, from stale old log-probs: the losses the update
+    back-propagates (its micro-batches', summed) are step.actor_loss and core_algos.value_loss on the whole
+    mini-batch with the aggregation's own counts (no normalisers passed): the normalisers the step computes
+    (tokens, sequences, the padded length) are the mini-batch's. ppo.py has the token mean only."""
+    cfg, accelerator, models, _, _, batch, scores = setup_run(
+        f"actor.loss_agg_mode={mode}", "actor.use_kl_loss=true", "actor.kl_loss_type=k3", "actor.entropy_coeff=0.05",
+        "actor.ppo_epochs=1", "actor.ppo_mini_batch_size=8")
+    actor, critic, _ = models
+    batch.old_logprobs = stale(batch)
+    with torch.no_grad():
+        logprobs, logits = step.logprobs_and_logits(actor, batch.seq, cfg.rollout.temperature)
+        values = step.response_values(critic, batch.seq)
+    seen = {}
+    batch, *_ = trainer_update(cfg, accelerator, models, batch, scores, cfg.algorithm.kl_ctrl.kl_coef, seen)
+    mask, entropy = batch.seq.response_mask, core_algos.entropy_from_logits(logits, cfg.rollout.temperature)
+    expected, _ = actor_loss(cfg.actor, logprobs, batch.old_logprobs, batch.advantages, mask, entropy,
+                             batch.ref_logprobs)
+    expected_vf, _ = core_algos.value_loss(values, batch.values, batch.returns, mask, cfg.critic.cliprange_value,
+                                           mode)
+    assert len(seen["losses"]) == 8  # 4 micro-batches x 2 models
+    assert sum(seen["losses"][0::2]) == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
+    assert sum(seen["losses"][1::2]) == pytest.approx(expected_vf.item(), rel=1e-4, abs=1e-6)
 
 
 ON_POLICY = {  # one epoch of one mini-batch of 8 (grpo: 16) responses in micro-batches of 2, no reward KL, no panel
@@ -418,7 +519,8 @@ def test_an_exactly_on_policy_update_needs_no_old_logprob_pass(setup_run, case):
 def test_the_sampler_logprobs_are_the_old_ones_or_are_compared_with_them(setup_run):
     """rollout.logprobs_from_sampler: with the pass (the KL panel on) both are kept and their mismatch logged, in
     float32 float noise; where only the sampler's are needed (two epochs, no panel) they are the old ones."""
-    cfg, accelerator, models, tokenizer, rows, batch, scores = setup_run("rollout.logprobs_from_sampler=true")
+    cfg, accelerator, models, tokenizer, rows, batch, scores = setup_run("rollout.logprobs_from_sampler=true",
+                                                                          short=False)
     assert batch.sampler_logprobs is not None and batch.old_logprobs is not None
     torch.testing.assert_close(batch.sampler_logprobs, batch.old_logprobs, rtol=0, atol=1e-4)
     batch.token_rewards = core_algos.token_rewards(scores, batch.seq.response_mask)
@@ -429,7 +531,7 @@ def test_the_sampler_logprobs_are_the_old_ones_or_are_compared_with_them(setup_r
     timer = Timer()
     torch.manual_seed(3)
     cfg.trainer.log_kl_panel = False
-    sampled = rollout(cfg, accelerator, models, tokenizer, rows, batch.group_ids, timer)
+    sampled = rollout(cfg, accelerator, models, tokenizer, rows, batch.group_ids, timer, short=False)
     assert step.plan_step(cfg, "no").old_logprobs_from == "sampler" and sampled.sampler_logprobs is None
     assert "timing_s/old_log_prob" not in timer.metrics() and sampled.full_kl is None
     with torch.no_grad():
@@ -444,7 +546,7 @@ def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup
     those `generate` samples with the configured temperature from the same seed."""
     cfg, accelerator, (actor, critic, ref), tokenizer, rows, first, _ = setup_run("algorithm.use_kl_in_reward=true")
     torch.manual_seed(123)
-    batch = rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, first.group_ids)
+    batch = rollout(cfg, accelerator, (actor, critic, ref), tokenizer, rows, first.group_ids, short=False)
     torch.manual_seed(123)
     prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
     sampled = generate(actor, tokenizer, prompt_ids, prompt_mask, SamplingParams(16, temperature=0.7))
@@ -486,22 +588,13 @@ def test_batch_metrics_are_the_batch_numbers(setup_run):
     assert metrics["kl/full"] > 0
 
 
-def test_kl_panel_is_the_exact_kl_of_each_real_token_computed_by_hand(setup_run, monkeypatch):
+def test_kl_panel_is_the_exact_kl_of_each_real_token_computed_by_hand(setup_run):
     """The panel on a batch with padding on both sides (prompts of different lengths, responses that stopped
     early): kl/full, kl/full_forward and kl/k1 equal the KLs of the two models' next-token distributions at
     the sampling temperature, computed one unpadded sequence at a time in float64 and averaged over the real
     response tokens only."""
-    cfg, accelerator, models, tokenizer, rows, sampled, scores = setup_run()
+    cfg, accelerator, models, tokenizer, rows, batch, scores = setup_run()  # responses 1, 4, 6 end early
     actor, _, ref = models
-    # responses 1, 4 and 6 end at an EOS (at positions 0, 3 and 9), the rest run to the length limit
-    response_ids = sampled.seq.response_ids.clone()
-    for row, position in ((1, 0), (4, 3), (6, 9)):
-        response_ids[row, position] = tokenizer.eos_token_id
-        response_ids[row, position + 1:] = tokenizer.pad_token_id
-    response_mask = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
-    fixed = Sequences.build(sampled.seq.prompt_ids, sampled.seq.prompt_mask, response_ids, response_mask)
-    monkeypatch.setattr(step, "generate", lambda *args, **kwargs: dataclasses.replace(fixed))
-    batch = rollout(cfg, accelerator, models, tokenizer, rows, sampled.group_ids)
     mask = batch.seq.response_mask
     assert mask.sum(1)[[1, 4, 6]].tolist() == [1, 4, 10] and (batch.seq.prompt_mask == 0).any()
     batch.token_rewards = core_algos.token_rewards(scores, mask)
@@ -593,3 +686,102 @@ def test_the_adaptive_coefficient_follows_the_steps_reward_kl(artifacts, tmp_pat
     assert result.metrics["actor/reward_kl_penalty"] == pytest.approx(current, rel=1e-5, abs=1e-9)
     error = min(max(current / 0.01 - 1, -0.2), 0.2)
     assert result2.metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.5 * (1 + error * 8 / 40), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- ppo.py as a program
+
+
+def test_the_one_files_settings_and_optimizers_are_configs_tiny():
+    """ppo.Args' defaults are configs/tiny.yaml's settings, field by field, and its AdamW optimizers have the
+    settings (lr, betas, eps, weight decay, ...) rlhf.setup.build_optimizers gives the trainer for that config."""
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), [])
+    assert one_file(cfg) == ppo.Args()
+    schedules = (cfg.algorithm.kl_ctrl.type, cfg.actor.lr_scheduler_type, cfg.critic.lr_scheduler_type)
+    assert schedules == ("fixed", "constant", "constant")  # what ppo.py has
+    models = [torch.nn.Linear(2, 2) for _ in range(4)]
+    theirs, ours = rlhf.setup.build_optimizers(cfg, *models[:2]), ppo.optimizers(ppo.Args(), *models[2:])
+    implementation = ("params", "fused", "foreach", "capturable", "differentiable")
+    for trainer_opt, one_file_opt in zip(theirs, ours, strict=True):
+        assert type(trainer_opt) is type(one_file_opt) is torch.optim.AdamW
+        settings = [{k: v for k, v in group.items() if k not in implementation} for group in
+                    (*trainer_opt.param_groups, *one_file_opt.param_groups)]
+        assert len(settings) == 2 and settings[0] == settings[1]
+    assert [opt.param_groups[0]["weight_decay"] for opt in ours] == [0.0, 0.0]
+
+
+def test_the_one_files_flags_refuse_values_they_do_not_understand(capsys):
+    args = ppo.parse_args(["--off-policy-correction", "true", "--loss-kl", "k3+", "--reward-kl", "none",
+                           "--total-steps", "3"])
+    assert (args.off_policy_correction, args.loss_kl, args.reward_kl, args.total_steps) == (True, "k3+", None, 3)
+    assert ppo.parse_args(["--off-policy-correction", "false"]).off_policy_correction is False
+    for flag, value, message in [("--off-policy-correction", "True", "expected true or false"),
+                                 ("--off-policy-correction", "1", "expected true or false"),
+                                 ("--loss-kl", "k9", "unknown KL estimator 'k9'"),
+                                 ("--reward-kl", "None", "unknown KL estimator 'None'"),
+                                 ("--total-steps", "2.5", "invalid int value")]:
+        with pytest.raises(SystemExit):
+            ppo.parse_args([flag, value])
+        error = capsys.readouterr().err
+        assert flag in error and message in error, error
+
+
+def test_the_one_file_trains_and_evaluates(artifacts, capsys):
+    """ppo.py's own loop for two steps at test size: its sampling, scoring, rollout passes, advantages, update
+    and greedy evaluation. At step 1 the actor is the reference (KL exactly 0); the update moves it (KL > 0 at
+    step 2, weights changed): by the entropy bonus, as the test model scores 0 (all advantages 0 at step 1)."""
+    args = ppo.Args(total_steps=2, batch_size=8, max_response_length=16, mini_batch_size=4, actor_lr=1e-3,
+                    entropy_coeff=0.05, eval_every=2)
+    actor = ppo.main(args, built=artifacts)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["step 0", "step 1", "step 2", "step 2", "done"]
+    assert all("held-out accuracy" in lines[i] for i in (0, 3)) and lines[4].startswith("done: 2 steps")
+    assert lines[1].endswith("KL(pi || ref) per token 0.0000 (its k1 estimate 0.0000)")
+    assert float(lines[2].split("per token ")[1].split(" ")[0]) > 0
+    start = transformers.AutoModelForCausalLM.from_pretrained(artifacts.model_dir, dtype=torch.float32)
+    assert (weights(actor) - weights(start)).abs().max() > 1e-4
+
+
+def test_the_one_files_masks_and_positions_are_the_trainers(artifacts):
+    """ppo.sequences on responses that end at different places (an end-of-sequence token early in two rows, none
+    in the third), left-padded prompts of different lengths: its response mask (the end token included, nothing
+    after it), attention mask and positions are the trainer's (rlhf.rollout.Sequences.build) on the same tokens."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(artifacts.model_dir, padding_side="left")
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    responses = torch.tensor([[5, eos, pad, pad], [eos, pad, pad, pad], [5, 6, 7, 8]])
+
+    sampling = []
+
+    class FixedResponses(torch.nn.Module):  # the decoder's tokens fixed, to place the end where the test wants
+        device = torch.device("cpu")
+
+        def generate(self, input_ids, attention_mask, **kwargs):
+            sampling.append({key: kwargs.get(key) for key in ("do_sample", "temperature", "top_k", "top_p")})
+            return torch.cat([input_ids, responses[:len(input_ids)]], dim=1)
+
+    ppo.sequences(FixedResponses(), tokenizer, ["a"], max_new_tokens=4, temperature=0.7)
+    batch = ppo.sequences(FixedResponses(), tokenizer, ["a b c d e", "f", "g h"], max_new_tokens=4)
+    assert sampling == [dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0),  # samples of pi itself
+                        dict(do_sample=False, temperature=None, top_k=None, top_p=None)]  # greedy
+    prompts = tokenizer(["a b c d e", "f", "g h"], padding=True, add_special_tokens=False, return_tensors="pt")
+    assert (prompts["attention_mask"] == 0).any()  # the prompts are padded
+    expected = Sequences.build(prompts["input_ids"], prompts["attention_mask"], responses,
+                               response_mask_from_ids(responses, eos))
+    assert batch["response_mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    for name in ("input_ids", "attention_mask", "position_ids", "response_mask"):
+        assert torch.equal(batch[name], getattr(expected, name)), name
+
+
+def test_the_one_files_rollout_passes_are_the_trainers(setup_run, monkeypatch):
+    """ppo.rollout on the trainer's sequences (three responses ending early): its old and reference log-probs,
+    exact KL (pi || ref) and values are the trainer's rollout's, and its scores are the reward's."""
+    cfg, _, (actor, critic, ref), tokenizer, rows, batch, _ = setup_run()
+    trainers = one_file_batch(batch, torch.zeros(len(batch.group_ids)))
+    monkeypatch.setattr(ppo, "sequences", lambda *args, **kwargs: {
+        name: trainers[name] for name in ("input_ids", "attention_mask", "position_ids", "response_ids", "response_mask")})
+    texts = tokenizer.batch_decode(batch.seq.response_ids, skip_special_tokens=True)
+    answers = [texts[0].split()[-1] if texts[0].split() else "1"] + ["7"] * (len(texts) - 1)
+    ours = ppo.rollout(one_file(cfg), actor, critic, ref, tokenizer, {"prompt": [], "answer": answers})
+    for name in ("old_logprobs", "ref_logprobs", "full_kl", "values"):
+        torch.testing.assert_close(ours[name], trainers[name], msg=name)
+    assert ours["full_kl"][batch.seq.response_mask.bool()].min() > 0
+    assert ours["scores"].tolist() == [compute_score(text, answer) for text, answer in zip(texts, answers)]

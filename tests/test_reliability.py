@@ -208,7 +208,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_pa
     the last one written: no checkpoint is written during a run of bad steps. Either a non-finite loss value
     or a non-finite gradient norm skips the update."""
     seen = {}
-    original_prepare, original_update, original_loss = (rlhf.setup.prepare_data_and_models, rlhf.step.ppo_epochs,
+    original_prepare, original_update, original_loss = (rlhf.setup.prepare_data_and_models, rlhf.step.ppo_update,
                                                          core_algos.policy_loss)
 
     def spy(cfg, accelerator):
@@ -226,7 +226,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(artifacts, tmp_pa
             return original_update(*args, **kwargs)
 
     monkeypatch.setattr(rlhf.setup, "prepare_data_and_models", spy)
-    monkeypatch.setattr(rlhf.step, "ppo_epochs", update)
+    monkeypatch.setattr(rlhf.step, "ppo_update", update)
     out = str(tmp_path / "run")
     with pytest.raises(train.BadStepsError) as err:
         run(artifacts, out, "trainer.total_steps=8", "trainer.max_bad_steps=2", "trainer.max_ckpt_to_keep=10")
