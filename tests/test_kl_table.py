@@ -88,7 +88,7 @@ def test_k3_as_a_loss_is_the_forward_kl_inside_and_the_cross_entropy_with_ref_pr
         pi, ref = vocabulary(*ds)
         got = trainer_gradient(pi, ref, "loss")
         out = past(pi, ref)
-        ref_prime = ref  # sg(pi): a constant in the cross-entropy below
+        ref_prime = torch.where(out, pi, ref)  # sg(pi): a constant in the cross-entropy below
         claim = divergence_gradient(lambda p: -(ref_prime * p.log()).sum(), pi)
         torch.testing.assert_close(got, claim, rtol=1e-9, atol=1e-15)
         if not out.any():
@@ -123,3 +123,22 @@ def test_k3_corrected_is_the_reverse_kl_at_every_d():
         target = divergence_gradient(reverse_kl(ref), pi)
         for old in (pi, 0.5 * pi + 0.5 / len(pi)):  # rho == 1 and off-policy
             torch.testing.assert_close(trainer_gradient(pi, ref, "corrected", old), target, rtol=1e-9, atol=1e-15)
+
+
+def test_docs_kl_past_the_lower_edge_pulled_back_weakly_alone_pushed_down_next_to_the_upper():
+    """docs/kl.md's reading of the loss cell: a token past the lower edge is pulled back (descent raises its
+    logit), by less than pi - ref would, while no token is past the upper edge; and pushed down where tokens past
+    the upper edge hold more of pi than of ref (P > R)."""
+    for ds in cases():
+        pi, ref = vocabulary(*ds)
+        d = pi.log() - ref.log()
+        got, below = trainer_gradient(pi, ref, "loss"), d < LOWER
+        if below.any() and not (d > UPPER).any():
+            assert (got[below] < 0).all() and (got[below].abs() < (ref - pi)[below]).all(), ds
+    set_pi = torch.tensor([0.002, 0.3, 0.3], dtype=torch.float64)  # d = -5, 12, 12.5: P = 0.602 > R = 0.30
+    set_ref = set_pi * torch.exp(-torch.tensor([-5.0, 12.0, 12.5], dtype=torch.float64))
+    pi = torch.cat([set_pi, (1 - set_pi.sum()) * torch.tensor([0.5, 0.5], dtype=torch.float64)])
+    ref = torch.cat([set_ref, (1 - set_ref.sum()) * torch.tensor([0.5, 0.5], dtype=torch.float64)])
+    out = past(pi, ref)
+    assert pi[out].sum() > ref[out].sum()
+    assert trainer_gradient(pi, ref, "loss")[0] > 0  # the token at d = -5 is pushed down
