@@ -142,3 +142,19 @@ def test_docs_kl_past_the_lower_edge_pulled_back_weakly_alone_pushed_down_next_t
     out = past(pi, ref)
     assert pi[out].sum() > ref[out].sum()
     assert trainer_gradient(pi, ref, "loss")[0] > 0  # the token at d = -5 is pushed down
+
+
+def test_docs_kl_rho_in_the_graph_on_k3_pushes_a_token_past_the_lower_edge_down():
+    """docs/kl.md's example for why the correction weights k3 as k3+: on tests/test_kl_gradients.py's vocabulary
+    "one token at d = -4.99", rho k3 in the graph (rho = 1) gives that token's logit +0.036, the reverse KL -0.024."""
+    from test_kl_gradients import vocabulary as gradients_vocabulary
+
+    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "kl.md")).read()
+    assert "on that token's logit is +0.036 (at rho = 1), where\n  `grad KL(pi || ref)` is -0.024" in page
+    pi, ref = map(torch.tensor, gradients_vocabulary("one token at d = -4.99"))
+    z = pi.log().clone().requires_grad_(True)
+    lp = torch.log_softmax(z, -1)
+    rho = torch.exp(lp - pi.log())  # in the graph; 1 in value
+    (in_graph,) = torch.autograd.grad((pi * rho * parse_estimator("k3")(lp, ref.log())).sum(), z)
+    assert in_graph[0].item() == pytest.approx(0.036, abs=5e-4)
+    assert divergence_gradient(reverse_kl(ref), pi)[0].item() == pytest.approx(-0.024, abs=5e-4)
