@@ -166,6 +166,23 @@ def check_batch_sizes(cfg, num_processes: int) -> None:
              "actor.ppo_mini_batch_size per process x rollout.n", per_process_mini)
 
 
+def _corrected_k3_warning(ac) -> list[str]:
+    """The off-policy correction turns a k3 loss into k3+ (rlhf.kl's AS_PLUS rule): say so, since the
+    configured name still reads as GRPO's forward-KL loss."""
+    from rlhf.kl import estimators as kl
+
+    name = ac.kl_loss_type
+    if not (ac.use_kl_loss and ac.kl_loss_off_policy_correction) or kl.needs_logits(name):
+        return []
+    if kl.off_policy_rule(name) != kl.AS_PLUS:
+        return []
+    return [f"actor.kl_loss_type={name} with actor.kl_loss_off_policy_correction=true trains bit for "
+            "bit as k3+ (k3's value, k2's gradient, rho detached): a reverse-KL regulariser on every update, the "
+            "first included, not k3's forward-KL loss. The correction weights k3 so because rho in the graph would "
+            "push a token past k3's clamp (d < -2.611) further down. Write actor.kl_loss_type=k3+ to say so "
+            "(uncorrected, k3 follows the forward KL on each step's first update only, neither KL after it)."]
+
+
 def warnings_for(cfg) -> list[str]:
     """Legal settings that are almost certainly a mistake; printed once at start."""
     from rlhf.kl import estimators as kl
@@ -189,6 +206,7 @@ def warnings_for(cfg) -> list[str]:
                    "whose advantage is its own score (no baseline); sample several (rollout.n=4, say).")
     if ac.use_kl_loss and ac.kl_loss_coef == 0:
         out.append("actor.use_kl_loss=true with actor.kl_loss_coef=0: the KL loss does nothing.")
+    out += _corrected_k3_warning(ac)
     for section in ("actor", "critic"):
         learner = getattr(cfg, section)
         if learner.lr_scheduler_type == "constant" and learner.min_lr_ratio > 0:
