@@ -55,15 +55,17 @@ import io
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 # bench/common.py first: it sets the environment before torch loads.
 from common import (KL_COEF, LR, MINI_BATCH, NUM_PROMPTS, PHASES, PROMPT_WIDTH, RESPONSE_LENGTH, SEED, STEP_KEYS,
-                    GenerationClock, OursSide, OursVariant, PhaseTimer, build_workload, count_decode_steps,
-                    count_optimizer_steps, interleaved_rounds, load_line, load_workload, measure_memory,
-                    median_phase, median_untimed, our_config, paired, print_versions_and_load, serve_side,
-                    side_processes, start, step_memory, sync, timed)
+                    GenerationClock, OursSide, OursVariant, PhaseTimer, build_workload, child_flags,
+                    count_decode_steps, count_optimizer_steps, interleaved_rounds, load_line, load_workload,
+                    measure_memory, median_phase, median_untimed, our_config, paired, print_versions_and_load,
+                    serve_side, side_processes, start, step_memory, sync, timed)
 
 import torch
 
@@ -344,8 +346,13 @@ def measure(args, trl, transformers) -> Result | None:
         times = interleaved_rounds(sides, args.warmup, args.iters)
         load_end = load_line()
         stack.close()  # the side processes end before anything else is timed
-        for key in args.profile:  # this process: with --shared-process beside the others, else alone
-            profile(dict(sides)[key] if args.shared_process else open_row(key, workdir, args.gpu)[0], key)
+        for key in args.profile:  # with --shared-process beside the others in this process, else alone in a fresh one
+            if args.shared_process:
+                profile(dict(sides)[key], key)
+            else:
+                sys.stdout.flush()
+                subprocess.run([sys.executable, script, "--profile-child", key, "--workdir", workdir,
+                                *child_flags(args.threads, args.gpu)], check=True)
         if not args.iters:  # profiling only
             return None
 
@@ -469,6 +476,7 @@ def main() -> None:
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--side-child", choices=ROWS, help=argparse.SUPPRESS)
+    parser.add_argument("--profile-child", choices=ROWS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     trl, transformers = start(args.threads, args.gpu)
     if args.memory_child:
@@ -476,6 +484,9 @@ def main() -> None:
         return
     if args.side_child:
         serve_side(*open_row(args.side_child, args.workdir, args.gpu))
+        return
+    if args.profile_child:
+        profile(open_row(args.profile_child, args.workdir, args.gpu)[0], args.profile_child)
         return
     result = measure(args, trl, transformers)
     if result is not None:
