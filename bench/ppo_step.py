@@ -11,7 +11,7 @@ Workload, identical for every side: bench/common.py's (a 400-token tokenizer, a 
 the policy, a copy as the reference, a critic of the same size with its value head zeroed as `rlhf.models`
 does; with --gpu, Qwen2.5-0.5B's shape under bf16 autocast), all 32 prompts left-padded to 48 tokens,
 64 sampled tokens per response at temperature 1, never stopping at EOS; 1 PPO epoch over 2 mini-batches
-of 16; k3 KL in the reward; float32; torch threads set to 2.
+of 16; k3 KL in the reward; float32; torch threads as the environment sets them (`--threads` to choose).
 TRL cannot score by rule, so it also gets a reward model of the same size and runs one more forward per
 step; our side scores GSM8K by rule and skips that pass. The output says so.
 The policy is left at its random init: it rarely samples EOS, so no side could stop generating early
