@@ -35,11 +35,10 @@ import subprocess
 import sys
 import time
 
-# Before torch starts OpenMP: idle OpenMP threads sleep instead of spinning. On a machine shared with other
-# jobs (more runnable threads than cores) spinning threads wait for descheduled ones at every op: at load 8
-# on 2 cores, 64-token generation took 31 s spinning and 1.3 s passive (median of 5, same process kind).
-# It applies to every side alike; OMP_WAIT_POLICY=ACTIVE in the environment measures the other way.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The OpenMP settings are the user's, as they run either trainer, and printed with every timing (the
+# side processes inherit them). On a loaded machine set OMP_WAIT_POLICY=PASSIVE: spinning threads wait for
+# descheduled ones at every op (at load 8 on 2 cores, 64-token generation took 31 s spinning and 1.3 s passive).
+OPENMP_SEEN = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -80,10 +79,11 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def start(threads: int, gpu: bool):
-    """What every benchmark here does first: threads, a CUDA device for --gpu, TRL present, transformers
-    quiet. Returns the (trl, transformers) modules, for their versions."""
-    torch.set_num_threads(threads)
+def start(threads: int | None, gpu: bool):
+    """What every benchmark here does first: threads (None: torch's, from OMP_NUM_THREADS or the cores), a
+    CUDA device for --gpu, TRL present, transformers quiet. Returns the (trl, transformers) modules."""
+    if threads:
+        torch.set_num_threads(threads)
     if gpu and not torch.cuda.is_available():
         sys.exit("--gpu needs a CUDA device; torch sees none")
     try:
@@ -361,11 +361,15 @@ def step_memory(side, num_steps: int = 2) -> dict[str, float]:
     return {"step_peak_mb": (peak - before) / 1024, "peak_rss_mb": peak / 1024, "rss_before_mb": before / 1024}
 
 
+def child_flags(threads: int | None, gpu: bool) -> list[str]:
+    """The command-line flags a side's process gets from the benchmark's."""
+    return [*(["--threads", str(threads)] if threads else []), *(["--gpu"] if gpu else [])]
+
+
 def measure_memory(script: str, side_name: str, workdir: str, threads: int, gpu: bool) -> dict[str, float]:
     """`step_memory` of one side in a fresh process: `script --memory-child side_name`, whose last line of
     output is the JSON of `step_memory`."""
-    cmd = [sys.executable, script, "--memory-child", side_name, "--workdir", workdir, "--threads", str(threads),
-           *(["--gpu"] if gpu else [])]
+    cmd = [sys.executable, script, "--memory-child", side_name, "--workdir", workdir, *child_flags(threads, gpu)]
     # With a fixed mmap threshold glibc maps every block above 64 KiB on its own and unmaps it on free,
     # so the resident size follows the live tensors instead of what the allocator keeps around.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -373,6 +377,79 @@ def measure_memory(script: str, side_name: str, workdir: str, threads: int, gpu:
     if out.returncode != 0:
         raise RuntimeError(f"memory measurement of {side_name} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- one side per process
+
+# A side's process answers on its own copy of stdout; everything else it prints goes to stderr.
+ANSWER = "@side "
+
+
+def serve_side(side, about: dict) -> None:
+    """The loop of a side's process (`script --side-child KEY`): say `about` (the side's name and what the
+    report prints about it), then one step per "step" line read, each answered with the step's results and
+    its CPU time, until stdin closes."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # the libraries' prints (and the C level's) go to stderr, not into the answers
+
+    def answer(payload: dict) -> None:
+        answers.write(ANSWER + json.dumps(payload) + "\n")
+        answers.flush()
+
+    answer(about)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        cpu = time.process_time()
+        result = side.step()
+        answer({**result, "cpu_s": time.process_time() - cpu})
+
+
+class SideProcess:
+    """One side in a fresh process of its own (`script --side-child key`, `serve_side`), stepped from this
+    one: `step()` has the same results as the side's own, with its CPU time; `about` is what the side said
+    when it was ready. Its stderr is kept in a file and shown when it fails."""
+
+    def __init__(self, script: str, key: str, workdir: str, threads: int | None, gpu: bool):
+        import tempfile
+
+        self.key = key
+        self.log = tempfile.TemporaryFile(mode="w+")
+        cmd = [sys.executable, script, "--side-child", key, "--workdir", workdir, *child_flags(threads, gpu)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.about = self._answer()  # built and checked: only then is the next side started
+        self.name = self.about["name"]
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(ANSWER):
+                return json.loads(line[len(ANSWER):])
+        self.log.seek(0)
+        raise RuntimeError(f"the process of side {self.key} stopped:\n{self.log.read()[-3000:]}")
+
+    def step(self) -> dict[str, float]:
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+@contextlib.contextmanager
+def side_processes(script: str, keys, workdir: str, threads: int | None, gpu: bool):
+    """A `SideProcess` for each key, started one after another (each builds and checks its side alone), as
+    a list of (key, SideProcess); all closed on exit."""
+    sides: list[tuple[str, SideProcess]] = []
+    try:
+        for key in keys:
+            sides.append((key, SideProcess(script, key, workdir, threads, gpu)))
+        yield sides
+    finally:
+        for _, side in sides:
+            side.close()
 
 
 # ----------------------------------------------------------------------------- rounds and their medians
@@ -385,8 +462,9 @@ STEP_KEYS = ("step", "gen_synced", "cpu_s")
 
 def interleaved_rounds(sides: list[tuple[str, object]], warmup: int, iters: int) -> dict[str, list[dict]]:
     """`warmup` untimed steps of every side, then `iters` rounds of one step each, the order rotating so no side
-    always goes first; each side's step results in order, with the step's CPU time ("cpu_s"), a line printed
-    per round.
+    always goes first and drift hits every side alike; each side's step results in order, with the step's CPU
+    time ("cpu_s"), a line printed per round. A side in a process of its own (`SideProcess`) is stepped the
+    same way and takes the step's CPU time in that process.
 
     On a CPU shared with other jobs the wall time of a step grows with the load, unevenly; the process's CPU
     time counts the work done and the time spent waiting at the sides' own synchronisation points only."""
@@ -398,7 +476,7 @@ def interleaved_rounds(sides: list[tuple[str, object]], warmup: int, iters: int)
         for key, side in sides[r % len(sides):] + sides[:r % len(sides)]:
             cpu = time.process_time()
             times[key].append(side.step())
-            times[key][-1]["cpu_s"] = time.process_time() - cpu
+            times[key][-1].setdefault("cpu_s", time.process_time() - cpu)  # a SideProcess brings its own
         last = {k: times[k][-1] for k, _ in sides}
         print(f"round {r + 1}/{iters}: " + ", ".join(f"{k} {t['step']:.3f}s (cpu {t['cpu_s']:.3f})"
                                                      for k, t in last.items()), flush=True)
@@ -420,14 +498,32 @@ def median_untimed(steps: list[dict]) -> float:
     return statistics.median(t["step"] - sum(v for k, v in t.items() if k not in STEP_KEYS) for t in steps)
 
 
-def print_versions_and_load(trl, transformers, device) -> None:
-    """The versions, threads, load and device a timing was taken under, with a warning when the machine is
-    busy."""
+def describe_mode(shared_process: bool) -> str:
+    """The line that says how the sides were run, printed above the numbers."""
+    if shared_process:
+        return ("mode: shared process (--shared-process): every side in this one process, interleaved round by "
+                "round, the order rotating; each side runs beside the others' objects (TRL's gc.collect() "
+                "walks them too)")
+    return ("mode: one fresh process per side (the default): each side built and checked alone in its own "
+            "process, then stepped round by round from this one, one side at a time, the order rotating")
+
+
+def load_line() -> str:
+    """The load average as /proc/loadavg has it (1, 5, 15 minutes), for the start and end of a measurement."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def print_versions_and_load(trl, transformers, gpu: bool, shared_process: bool) -> None:
+    """The mode, versions, threads, OpenMP settings, load and device a timing was taken under, with a warning
+    when the machine is busy."""
+    openmp = ", ".join(f"{k}={v if v is not None else 'unset'}" for k, v in OPENMP_SEEN.items())
+    print(describe_mode(shared_process))
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-          f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+          f"torch threads {torch.get_num_threads()}, {openmp} (the environment's, as seen), "
+          f"load average {load_line()} on {os.cpu_count()} CPUs")
     if os.getloadavg()[0] > (os.cpu_count() or 1):
         print("warning: the machine is busy (load above the CPU count): timings are inflated and noisy; "
               "compare the sides within this run, not runs with each other.")
-    if device.type == "cuda":
+    if gpu:
         print(f"device: {torch.cuda.get_device_name()}")

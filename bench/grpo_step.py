@@ -31,8 +31,9 @@ ignores it; group std + 1e-4 (TRL) vs + 1e-6 (ours); ours keeps the sampler's lo
 (rollout.logprobs_from_sampler's default) and logs their mismatch; TRL shuffles the batch and runs its
 Trainer loop (callbacks, logging).
 
-Timing, in this one process, interleaved round by round (the order rotates) after warm-up, medians over
-`--iters` rounds. TRL: `trainer.train()` runs in a helper thread that a callback parks at every
+Timing: by default each row in a fresh process of its own, stepped from this one a side at a time
+(`--shared-process`: all in this one process), interleaved round by round (the order rotates) after warm-up,
+medians over `--iters` rounds; the OpenMP settings are the environment's, printed with the mode. TRL: `trainer.train()` runs in a helper thread that a callback parks at every
 `on_step_end`; one timed step is one iteration of its training loop, from the thread's release to the next
 `on_step_end`, with its phases from wrappers around `policy.generate`, `_get_per_token_logps_and_entropies`
 (reference / old-policy forwards) and `_prepare_inputs` (the whole rollout: generation, reward, reference,
@@ -45,6 +46,7 @@ bench/common.py says (not the models or optimizer state; the resident size befor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -55,8 +57,8 @@ import warnings
 # bench/common.py first: it sets the environment before torch loads.
 from common import (GROUP_PROMPTS, KL_COEF, LR, N, NUM_RESPONSES, PHASES, PROMPT_WIDTH, RESPONSE_LENGTH, OursSide,
                     OursVariant, PhaseTimer, build_workload, count_optimizer_steps, forward_batch_sizes,
-                    interleaved_rounds, load_group_workload, measure_memory, median_phase, median_untimed,
-                    our_config, paired, print_versions_and_load, start, step_memory)
+                    interleaved_rounds, load_group_workload, load_line, measure_memory, median_phase, median_untimed,
+                    our_config, paired, print_versions_and_load, serve_side, side_processes, start, step_memory)
 
 from floor import GroupFloorSide
 from trl_grpo import TRLGRPOSide
@@ -154,28 +156,47 @@ class Result:
     times: dict[str, list[dict[str, float]]]  # ROWS key -> per round: "step", each phase's s, "gen_synced"
     memory: dict[str, dict[str, float]]  # SIDES -> common.step_memory's fields; empty: --skip-memory
     on_gpu: bool
+    shared_process: bool  # all sides in one process (--shared-process), else one process per side
+    load: tuple[str, str]  # /proc/loadavg's three averages as the rounds began and as they ended
 
 
-def print_setup(trl, transformers, ours: OursGroupSide, prompts: dict, gpu: bool) -> None:
-    """What the timing is taken under: versions, machine, workload."""
-    device = ours.accelerator.device
-    num_params = sum(p.numel() for p in ours.models[0].parameters())
-    print_versions_and_load(trl, transformers, device)
-    print(f"workload: Qwen2 {num_params / 1e6:.2f}M parameters (vocab {ours.models[0].config.vocab_size}), "
+def ours_about(side: OursGroupSide, check: dict) -> dict:
+    """What the report prints about one of our sides: its optimizers, model and check."""
+    return {"name": side.name, "optimizer": side.describe(), "vocab": side.models[0].config.vocab_size,
+            "num_params": sum(p.numel() for p in side.models[0].parameters()), "device": str(side.accelerator.device),
+            "check": check}
+
+
+def open_row(key: str, workdir: str, gpu: bool):
+    """One of ROWS built and checked alone (in a side's own process): (side, what the report prints about it).
+    TRL's side holds a training thread: close() it when done."""
+    if key == "trl":
+        side = TRLGRPOSide(workdir, gpu)
+        return side, {"name": side.name, "optimizer": side.describe(), "check": side.check()}
+    if key == "floor":
+        side = GroupFloorSide(workdir, gpu)
+        return side, {"name": side.name}
+    ours = OursGroupSide(workdir, "gae" if key == "gae" else "grpo", gpu)
+    if key == "gae":  # float32: the sampler's log-probs serve, no pass
+        return ours, ours_about(ours, ours.check(pass_expected=ours.accelerator.mixed_precision != "no"))
+    cfg = {"ours": None, "always": ours.cfg_always, "panel": ours.cfg_panel}[key]
+    check = ours.check(cfg, pass_expected=key != "ours")
+    return (ours if key == "ours" else ours.variant(ROWS[key], cfg)), ours_about(ours, check)
+
+
+def print_setup(trl, transformers, about: dict, prompts: dict, gpu: bool, shared_process: bool) -> None:
+    """What the timing is taken under: mode, versions, machine, workload, optimizers, what was checked."""
+    ours = about["ours"]
+    print_versions_and_load(trl, transformers, gpu, shared_process)
+    print(f"workload: Qwen2 {ours['num_params'] / 1e6:.2f}M parameters (vocab {ours['vocab']}), "
           f"{GROUP_PROMPTS} prompts x n={N} = {NUM_RESPONSES} sequences, prompts left-padded to "
           f"{PROMPT_WIDTH} tokens (lengths {sorted(map(len, prompts['input_ids']))}), {RESPONSE_LENGTH} "
           f"sampled tokens at temperature 1, one optimizer step per step, KL in the loss (coef {KL_COEF}: "
           f"ours k3+, TRL k3 x ratio), lr {LR}, {'bf16 autocast over float32 weights' if gpu else 'float32'}, "
-          f"on {device}")
-
-
-def check_sides(trl_side: TRLGRPOSide, ours: OursGroupSide, gae: OursGroupSide) -> None:
-    """Check one step of each side (their `check()`) and say what was checked and what still differs."""
-    trl_check, ours_check = trl_side.check(), ours.check()
-    ours.check(ours.cfg_always, pass_expected=True)
-    ours.check(ours.cfg_panel, pass_expected=True)
-    gae_check = gae.check(pass_expected=gae.accelerator.mixed_precision != "no")  # float32: the sampler's serve
-    print(f"optimizers: TRL {trl_side.describe()}; ours grpo {ours.describe()}; ours gae {gae.describe()}")
+          f"on {ours['device']}")
+    trl_check, ours_check, gae_check = (about[k]["check"] for k in ("trl", "ours", "gae"))
+    print(f"optimizers: TRL {about['trl']['optimizer']}; ours grpo {ours['optimizer']}; ours gae "
+          f"{about['gae']['optimizer']}")
     print(f"checked, one step each: {RESPONSE_LENGTH} decoding steps, {NUM_RESPONSES} sequences per policy "
           f"forward, no old-log-prob forward (TRL, ours grpo), one with recompute_old_logprobs=always or the "
           f"KL panel; policy forwards per step: TRL {trl_check['policy_forwards']}, ours grpo "
@@ -187,28 +208,47 @@ def check_sides(trl_side: TRLGRPOSide, ours: OursGroupSide, gae: OursGroupSide) 
           "their mismatch with the update's.")
 
 
+@contextlib.contextmanager
+def shared_sides(workdir: str, gpu: bool):
+    """--shared-process: every row in this process, the grpo variants on one set of models; yields
+    (sides, about) and stops TRL's training thread on exit."""
+    trl_side = TRLGRPOSide(workdir, gpu)
+    try:
+        ours, gae = OursGroupSide(workdir, "grpo", gpu), OursGroupSide(workdir, "gae", gpu)
+        sides = [("trl", trl_side), ("ours", ours), ("always", ours.variant(ROWS["always"], ours.cfg_always)),
+                 ("panel", ours.variant(ROWS["panel"], ours.cfg_panel)), ("gae", gae),
+                 ("floor", GroupFloorSide(workdir, gpu))]
+        about = {"trl": {"name": trl_side.name, "optimizer": trl_side.describe(), "check": trl_side.check()},
+                 "ours": ours_about(ours, ours.check())}
+        ours.check(ours.cfg_always, pass_expected=True)
+        ours.check(ours.cfg_panel, pass_expected=True)
+        about["gae"] = ours_about(gae, gae.check(pass_expected=gae.accelerator.mixed_precision != "no"))
+        yield sides, about
+    finally:
+        trl_side.close()
+
+
 def measure(args, trl, transformers) -> Result | None:
-    """Build the workload and the sides, check one step of each, run the interleaved rounds, then measure
-    memory (one subprocess per side). None for --iters 0."""
+    """Build the workload and the sides (each in its own process, or all in this one with --shared-process),
+    check one step of each, run the interleaved rounds, then measure memory (one subprocess per side). None for
+    --iters 0."""
+    script = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory(prefix="grpo-bench-") as workdir:
         build_workload(workdir, args.gpu)
         _, tokenizer, prompts = load_group_workload(workdir)
-        trl_side = TRLGRPOSide(workdir, args.gpu)
-        try:
-            ours, gae = OursGroupSide(workdir, "grpo", args.gpu), OursGroupSide(workdir, "gae", args.gpu)
-            sides = [("trl", trl_side), ("ours", ours), ("always", ours.variant(ROWS["always"], ours.cfg_always)),
-                     ("panel", ours.variant(ROWS["panel"], ours.cfg_panel)), ("gae", gae),
-                     ("floor", GroupFloorSide(workdir, args.gpu))]
-            print_setup(trl, transformers, ours, prompts, args.gpu)
-            check_sides(trl_side, ours, gae)
+        with (shared_sides(workdir, args.gpu) if args.shared_process
+              else side_processes(script, ROWS, workdir, args.threads, args.gpu)) as opened:
+            sides, about = opened if args.shared_process else (opened, {k: side.about for k, side in opened})
+            print_setup(trl, transformers, about, prompts, args.gpu, args.shared_process)
+            load_start = load_line()
             times = interleaved_rounds(sides, args.warmup, args.iters)
-        finally:
-            trl_side.close()
-        memory = {} if args.skip_memory else {k: measure_memory(os.path.abspath(__file__), k, workdir, args.threads,
-                                                                args.gpu) for k in SIDES}
+            load_end = load_line()
+        memory = {} if args.skip_memory else {k: measure_memory(script, k, workdir, args.threads, args.gpu)
+                                              for k in SIDES}
     if not args.iters:
         return None
-    return Result(times, memory, ours.accelerator.device.type == "cuda")
+    return Result(times, memory, about["ours"]["device"].startswith("cuda"), args.shared_process,
+                  (load_start, load_end))
 
 
 # ----------------------------------------------------------------------------- printing
@@ -237,10 +277,12 @@ def print_report(r: Result) -> None:
     med = {k: statistics.median(t["step"] for t in v) for k, v in times.items()}
     ratio, overhead = paired(times, "ours", "trl"), paired(times, "ours", "floor")
     saving, gae_over_grpo = 1 - 1 / paired(times, "always", "ours"), paired(times, "gae", "ours")
-    print(f"\nstep time, median of {len(times['ours'])} (min)")
+    print(f"\nstep time, median of {len(times['ours'])} (min); "
+          f"{'all sides in one process' if r.shared_process else 'each side in its own process'}; load average "
+          f"{r.load[0]} at the start of the rounds, {r.load[1]} at the end")
     for key, name in ROWS.items():
         print(f"  {name:<30} {med[key]:7.3f} s  ({min(t['step'] for t in times[key]):.3f})")
-    print(f"ratio ours/TRL            {ratio:.3f}   (target <= 0.85; median of per-round ratios; ratio of medians "
+    print(f"ratio ours/TRL            {ratio:.3f}   (target <= 0.80; median of per-round ratios; ratio of medians "
           f"{med['ours'] / med['trl']:.3f}); with the old-log-prob pass {paired(times, 'always', 'trl'):.3f}")
     print(f"overhead ours/floor       {overhead:.3f}   (target <= 1.05; ratio of medians "
           f"{med['ours'] / med['floor']:.3f})")
@@ -273,7 +315,7 @@ def print_report(r: Result) -> None:
           f"overhead={overhead:.3f} always_s_per_step={med['always']:.4f} pass_saving={saving:.3f} "
           f"ours_peak_mb={mb('ours'):.1f} trl_peak_mb={mb('trl'):.1f} gae_s_per_step={med['gae']:.4f} "
           f"gae_over_grpo={gae_over_grpo:.3f} gae_peak_mb={mb('gae'):.1f} cpu_ratio={cpu_ratio:.3f} "
-          f"cpu_overhead={cpu_overhead:.3f}")
+          f"cpu_overhead={cpu_overhead:.3f} mode={'shared-process' if r.shared_process else 'process-per-side'}")
 
 
 def main() -> None:
@@ -281,12 +323,16 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=11, help="timed rounds (each times every side once)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads in every process (default: "
+                        "torch's own, from OMP_NUM_THREADS or the cores)")
+    parser.add_argument("--shared-process", action="store_true", help="every side in this one process (for a "
+                        "loaded machine, where process switches add noise); default: one fresh process per side")
     parser.add_argument("--skip-memory", action="store_true", help="skip the three memory subprocesses")
     parser.add_argument("--gpu", action="store_true", help="a model of Qwen2.5-0.5B's shape (random init), bf16 "
                         "autocast, on CUDA (needs a GPU; prepared, not yet run on one)")
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--side-child", choices=tuple(ROWS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     trl, transformers = start(args.threads, args.gpu)
     # Noise from the libraries, nothing about the work: transformers 5's renames (TRL calls
@@ -296,6 +342,14 @@ def main() -> None:
     if args.memory_child:
         # One side, then the process exits (TRL's training thread is a daemon).
         print(json.dumps(step_memory(build_side(args.memory_child, args.workdir, args.gpu))))
+        return
+    if args.side_child:
+        side, about = open_row(args.side_child, args.workdir, args.gpu)
+        try:
+            serve_side(side, about)
+        finally:
+            if hasattr(side, "close"):  # TRL's training thread
+                side.close()
         return
     result = measure(args, trl, transformers)
     if result is not None:

@@ -3,14 +3,15 @@ against the floor (the same model passes done bare).
 
     pip install -e ".[bench]"                   # TRL 0.29.1 (PPOTrainer is gone from TRL 1.13 on)
     python bench/ppo_step.py                    # a few minutes on 2 cores; the last line is key=value
-    python bench/ppo_step.py --iters 9 --profile ours   # plus a torch.profiler table of our step
+    python bench/ppo_step.py --iters 9 --profile ours   # plus a torch.profiler table of our step, alone
+    python bench/ppo_step.py --shared-process   # every side in this one process (a loaded machine)
     python bench/ppo_step.py --gpu              # Qwen2.5-0.5B-shaped models, bf16 autocast, CUDA
 
 Workload, identical for every side: bench/common.py's (a 400-token tokenizer, a random-init tiny Qwen2 as
 the policy, a copy as the reference, a critic of the same size with its value head zeroed as `rlhf.models`
 does; with --gpu, Qwen2.5-0.5B's shape under bf16 autocast), all 32 prompts left-padded to 48 tokens,
 64 sampled tokens per response at temperature 1, never stopping at EOS; 1 PPO epoch over 2 mini-batches
-of 16; k3 KL in the reward; float32; torch threads set to 2.
+of 16; k3 KL in the reward; float32; torch threads as the environment sets them (`--threads` to choose).
 TRL cannot score by rule, so it also gets a reward model of the same size and runs one more forward per
 step; our side scores GSM8K by rule and skips that pass. The output says so.
 The policy is left at its random init: it rarely samples EOS, so no side could stop generating early
@@ -18,8 +19,12 @@ even if it tried. One step of TRL and of ours is checked before timing: exactly 
 (forward passes inside the generation call: TRL's `generate`, our timer's "gen" phase) and 2 optimizer
 steps per optimizer.
 
-How each side is timed, all in this one process, interleaved round by round (the order rotates every
-round) after warm-up, medians over `--iters` rounds:
+How the sides are run: by default each in a fresh process of its own (built and checked there alone), stepped
+from this one a side at a time, interleaved round by round (the order rotates every round, so drift hits every
+side alike) after warm-up, medians over `--iters` rounds; each user runs one trainer at a time, and TRL's
+gc.collect() then walks only its own objects. `--shared-process` runs them all in this one process instead,
+the variants of ours on one set of models (less process switching on a loaded machine). The OpenMP settings
+(OMP_NUM_THREADS, OMP_WAIT_POLICY) are the environment's, printed with the mode. What each side's time is:
 - TRL: `trainer.train()` runs one PPO step per call (`args.num_total_batches = 1`); a callback takes
   the time from `on_train_begin` to `on_train_end`, i.e. exactly one iteration of TRL's training loop
   (data loading, rollout, reward model, GAE, PPO update, its logging and its gc.collect()).
@@ -50,14 +55,17 @@ import io
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 # bench/common.py first: it sets the environment before torch loads.
 from common import (KL_COEF, LR, MINI_BATCH, NUM_PROMPTS, PHASES, PROMPT_WIDTH, RESPONSE_LENGTH, SEED, STEP_KEYS,
-                    GenerationClock, OursSide, OursVariant, PhaseTimer, build_workload, count_decode_steps,
-                    count_optimizer_steps, interleaved_rounds, load_workload, measure_memory, median_phase,
-                    median_untimed, our_config, paired, print_versions_and_load, start, step_memory, sync, timed)
+                    GenerationClock, OursSide, OursVariant, PhaseTimer, build_workload, child_flags,
+                    count_decode_steps, count_optimizer_steps, interleaved_rounds, load_line, load_workload,
+                    measure_memory, median_phase, median_untimed, our_config, paired, print_versions_and_load,
+                    serve_side, side_processes, start, step_memory, sync, timed)
 
 import torch
 
@@ -162,11 +170,12 @@ class OursPPOSide(OursSide):
         return (f"{type(opt).__name__}(fused={opt.defaults.get('fused')}, foreach={opt.defaults.get('foreach')}) "
                 "x2 (actor, critic); rollout.ignore_eos=true")
 
-    def check(self) -> None:
-        """One step of each config: exactly RESPONSE_LENGTH sampled tokens and 2 optimizer steps per model;
-        the panel's step logs the whole KL panel; the old-log-prob forward runs in the two configs that
-        need or force it and not in "panel off, no pass"."""
-        for cfg, pass_expected in ((self.cfg_panel, True), (self.cfg_forced, True), (self.cfg_minimal, False)):
+    def check(self, cfgs=None) -> None:
+        """One step of each config (default: all three): exactly RESPONSE_LENGTH sampled tokens and 2 optimizer
+        steps per model; the panel's step logs the whole KL panel; the old-log-prob forward runs in the two
+        configs that need or force it and not in "panel off, no pass"."""
+        for cfg in cfgs or (self.cfg_panel, self.cfg_forced, self.cfg_minimal):
+            pass_expected = cfg is not self.cfg_minimal
             optimizer_steps = []
             timer = PhaseTimer(self.actor)
             with count_optimizer_steps(self.torch_optimizers, optimizer_steps):
@@ -245,6 +254,12 @@ class Result:
     vocab_size: int
     full_kl_ms: float  # kl.full_kl on one batch's (NUM_PROMPTS, RESPONSE_LENGTH, vocab_size) logits
     memory: dict[str, dict[str, float]]  # "ours", "trl" -> common.step_memory's fields; empty: --skip-memory
+    shared_process: bool  # all sides in one process (--shared-process), else one process per side
+    load: tuple[str, str]  # /proc/loadavg's three averages as the rounds began and as they ended
+
+
+ROWS = ("trl", "ours", "minimal", "no_pass", "floor")  # the sides timed, in a round's first order
+VARIANT_NAMES = {"minimal": "ours, panel off", "no_pass": "ours, panel off, no pass"}
 
 
 def build_side(name: str, workdir: str, gpu: bool):
@@ -252,59 +267,107 @@ def build_side(name: str, workdir: str, gpu: bool):
     return TRLSide(workdir, gpu) if name == "trl" else OursPPOSide(workdir, gpu)
 
 
-def print_setup(trl, transformers, trl_side: TRLSide, ours: OursPPOSide, tokenizer, prompts: dict, gpu: bool,
-                gc_ms: float, num_objects: int, num_objects_trl: int) -> None:
-    """What the timing is taken under: versions, machine, workload, optimizers, TRL's extra work."""
-    device = ours.accelerator.device
-    num_params = sum(p.numel() for p in ours.models[0].parameters())
-    print_versions_and_load(trl, transformers, device)
-    print(f"workload: Qwen2 {num_params / 1e6:.2f}M parameters (vocab {ours.models[0].config.vocab_size}, tokenizer "
+def gc_about(num_objects_before_ours: int | None = None) -> dict:
+    """What one gc.collect() (TRL calls two a step) costs in this process, and how many objects it walks."""
+    gc_ms = 1e3 * statistics.median(timed(gc.collect) for _ in range(3))
+    return {"gc_ms": gc_ms, "objects": len(gc.get_objects()), "objects_before_ours": num_objects_before_ours}
+
+
+def ours_about(ours: OursPPOSide) -> dict:
+    """What the report prints about our side: its optimizers and model."""
+    return {"name": ours.name, "optimizer": ours.describe(), "vocab": ours.models[0].config.vocab_size,
+            "num_params": sum(p.numel() for p in ours.models[0].parameters()), "device": str(ours.accelerator.device)}
+
+
+def open_row(key: str, workdir: str, gpu: bool):
+    """One of ROWS built and checked alone (in a side's own process): (side, what the report prints about it)."""
+    if key == "trl":
+        side = TRLSide(workdir, gpu)
+        side.check()  # exactly RESPONSE_LENGTH decoding steps, 2 optimizer steps
+        return side, {"name": side.name, "optimizer": side.describe(), **gc_about()}
+    if key == "floor":
+        side = FloorSide(workdir, gpu)
+        return side, {"name": side.name}
+    ours = OursPPOSide(workdir, gpu)
+    cfg = {"ours": ours.cfg_panel, "minimal": ours.cfg_forced, "no_pass": ours.cfg_minimal}[key]
+    ours.check([cfg])
+    side = ours if key == "ours" else OursVariant(ours, VARIANT_NAMES[key], cfg)
+    return side, {**ours_about(ours), "name": side.name}
+
+
+def shared_sides(workdir: str, gpu: bool):
+    """--shared-process: every row in this process, the variants on our side's models: (sides, about)."""
+    trl_side = TRLSide(workdir, gpu)
+    num_objects_trl = len(gc.get_objects())
+    ours, floor = OursPPOSide(workdir, gpu), FloorSide(workdir, gpu)
+    sides = [("trl", trl_side), ("ours", ours), ("minimal", OursVariant(ours, VARIANT_NAMES["minimal"], ours.cfg_forced)),
+             ("no_pass", OursVariant(ours, VARIANT_NAMES["no_pass"], ours.cfg_minimal)), ("floor", floor)]
+    about = {"trl": {"name": trl_side.name, "optimizer": trl_side.describe(), **gc_about(num_objects_trl)},
+             "ours": ours_about(ours)}
+    trl_side.check()  # exactly RESPONSE_LENGTH decoding steps, 2 optimizer steps
+    ours.check()
+    return sides, about
+
+
+def print_setup(trl, transformers, about: dict, tokenizer, prompts: dict, gpu: bool, shared_process: bool) -> None:
+    """What the timing is taken under: mode, versions, machine, workload, optimizers, TRL's extra work."""
+    ours, trl_about = about["ours"], about["trl"]
+    print_versions_and_load(trl, transformers, gpu, shared_process)
+    print(f"workload: Qwen2 {ours['num_params'] / 1e6:.2f}M parameters (vocab {ours['vocab']}, tokenizer "
           f"{len(tokenizer)}), {NUM_PROMPTS} prompts x {PROMPT_WIDTH} tokens (left-padded, shortest "
           f"{min(map(len, prompts['input_ids']))}), {RESPONSE_LENGTH} sampled tokens, 1 epoch x "
           f"{NUM_PROMPTS // MINI_BATCH} mini-batches of {MINI_BATCH}, k3 KL in the reward, "
-          f"{'bf16 autocast over float32 weights' if gpu else 'float32'}, on {device}")
-    print(f"optimizers: TRL {trl_side.describe()}; ours {ours.describe()}")
+          f"{'bf16 autocast over float32 weights' if gpu else 'float32'}, on {ours['device']}")
+    print(f"optimizers: TRL {trl_about['optimizer']}; ours {ours['optimizer']}")
     print("TRL also runs a reward-model forward every step (it cannot score by rule); ours skips that pass: "
           "GSM8K is scored by rule.")
-    print(f"TRL calls gc.collect() twice per step; one call takes {gc_ms:.0f} ms in this process "
-          f"({num_objects} objects tracked, {1 - num_objects_trl / num_objects:.1%} of them added by our side "
-          "and the floor; the rest come mostly from the imports, which TRL's own process has too).")
+    before = trl_about["objects_before_ours"]
+    whose = (f"{1 - before / trl_about['objects']:.1%} of them added by our side and the floor" if before
+             else "TRL's own process")
+    print(f"TRL calls gc.collect() twice per step; one call takes {trl_about['gc_ms']:.0f} ms in its process "
+          f"({trl_about['objects']} objects tracked: {whose}).")
 
 
 def measure(args, trl, transformers) -> Result | None:
-    """Build the workload and the four sides, check one step of TRL and of ours, run the interleaved rounds,
-    profile the sides named by --profile, then time kl.full_kl and measure memory. None for --iters 0."""
-    with tempfile.TemporaryDirectory(prefix="ppo-bench-") as workdir:
+    """Build the workload and the sides (each in its own process, or all in this one with --shared-process),
+    check one step of TRL and of ours, run the interleaved rounds, profile the sides named by --profile, then
+    time kl.full_kl and measure memory. None for --iters 0."""
+    script = os.path.abspath(__file__)
+    with tempfile.TemporaryDirectory(prefix="ppo-bench-") as workdir, contextlib.ExitStack() as stack:
         build_workload(workdir, args.gpu)
         _, tokenizer, prompts = load_workload(workdir)
-        trl_side = TRLSide(workdir, args.gpu)
-        num_objects_trl = len(gc.get_objects())
-        ours, floor = OursPPOSide(workdir, args.gpu), FloorSide(workdir, args.gpu)
-        minimal = OursVariant(ours, "ours, panel off", ours.cfg_forced)
-        no_pass = OursVariant(ours, "ours, panel off, no pass", ours.cfg_minimal)
-        num_objects = len(gc.get_objects())
-        gc_ms = 1e3 * statistics.median(timed(gc.collect) for _ in range(3))
-        print_setup(trl, transformers, trl_side, ours, tokenizer, prompts, args.gpu, gc_ms, num_objects,
-                    num_objects_trl)
-
-        sides = [("trl", trl_side), ("ours", ours), ("minimal", minimal), ("no_pass", no_pass), ("floor", floor)]
-        trl_side.check()  # exactly RESPONSE_LENGTH decoding steps, 2 optimizer steps
-        ours.check()
+        if args.shared_process:
+            sides, about = shared_sides(workdir, args.gpu)
+        else:
+            sides = stack.enter_context(side_processes(script, ROWS, workdir, args.threads, args.gpu))
+            about = {key: side.about for key, side in sides}
+        print_setup(trl, transformers, about, tokenizer, prompts, args.gpu, args.shared_process)
+        load_start = load_line()
         times = interleaved_rounds(sides, args.warmup, args.iters)
-        for key in args.profile:
-            profile(dict(sides)[key], key)
+        load_end = load_line()
+        stack.close()  # the side processes end before anything else is timed
+        for key in args.profile:  # with --shared-process beside the others in this process, else alone in a fresh one
+            if args.shared_process:
+                profile(dict(sides)[key], key)
+            else:
+                sys.stdout.flush()
+                subprocess.run([sys.executable, script, "--profile-child", key, "--workdir", workdir,
+                                *child_flags(args.threads, args.gpu)], check=True)
         if not args.iters:  # profiling only
             return None
 
+        from accelerate import PartialState
+
         from rlhf import kl
 
-        vocab_size, device = ours.models[0].config.vocab_size, ours.accelerator.device
+        vocab_size, device = about["ours"]["vocab"], PartialState().device
         logits, ref_logits = torch.randn(2, NUM_PROMPTS, RESPONSE_LENGTH, vocab_size, device=device)
         full_kl_ms = 1e3 * statistics.median(timed(lambda: (kl.full_kl(logits, ref_logits, 1.0), sync()))
                                              for _ in range(11))
         memory = {} if args.skip_memory else {
             k: measure_memory(os.path.abspath(__file__), k, workdir, args.threads, args.gpu) for k in ("ours", "trl")}
-    return Result({key: side.name for key, side in sides}, times, vocab_size, full_kl_ms, memory)
+    return Result({key: side.name for key, side in sides}, times, vocab_size, full_kl_ms, memory,
+                  args.shared_process, (load_start, load_end))
 
 
 # ----------------------------------------------------------------------------- printing
@@ -367,13 +430,15 @@ def print_report(r: Result) -> None:
     panel_cost = paired(times, "ours", "minimal") - 1
     pass_saving = 1 - paired(times, "no_pass", "minimal")
     lean_ratio = med["no_pass"] / med["trl"]
-    print(f"\nstep time, median of {len(times['ours'])} (min)")
+    print(f"\nstep time, median of {len(times['ours'])} (min); "
+          f"{'all sides in one process' if r.shared_process else 'each side in its own process'}; load average "
+          f"{r.load[0]} at the start of the rounds, {r.load[1]} at the end")
     for key, name in r.names.items():
         print(f"  {name:<24} {med[key]:7.3f} s  ({min(t['step'] for t in times[key]):.3f})")
-    print(f"ratio ours/TRL        {ratio:.3f}   (target <= 0.6; median of per-round ratios "
+    print(f"ratio ours/TRL        {ratio:.3f}   (target <= 0.70; median of per-round ratios "
           f"{paired(times, 'ours', 'trl'):.3f}); panel off, no pass: {lean_ratio:.3f} "
           f"(per-round {paired(times, 'no_pass', 'trl'):.3f})")
-    print(f"overhead ours/floor   {overhead:.3f}   (target <= 1.15; per-round {paired(times, 'ours', 'floor'):.3f})")
+    print(f"overhead ours/floor   {overhead:.3f}   (target <= 1.05; per-round {paired(times, 'ours', 'floor'):.3f})")
     print(f"KL panel cost         {panel_cost:+.1%}  (target <= 3%; median of per-round ours/panel-off - 1, the "
           f"old-log-prob pass in both; ratio of medians {med['ours'] / med['minimal'] - 1:+.1%})")
     print(f"                      cross-check: kl.full_kl on ({NUM_PROMPTS}, {RESPONSE_LENGTH}, {r.vocab_size}) "
@@ -389,7 +454,8 @@ def print_report(r: Result) -> None:
     trl_mb = r.memory.get("trl", {}).get("step_peak_mb", float("nan"))
     print(f"ours_s_per_step={med['ours']:.4f} trl_s_per_step={med['trl']:.4f} ratio={ratio:.3f} "
           f"overhead={overhead:.3f} kl_panel_cost={panel_cost:.4f} pass_saving={pass_saving:.4f} "
-          f"lean_ratio={lean_ratio:.3f} ours_peak_mb={ours_mb:.1f} trl_peak_mb={trl_mb:.1f}")
+          f"lean_ratio={lean_ratio:.3f} ours_peak_mb={ours_mb:.1f} trl_peak_mb={trl_mb:.1f} "
+          f"mode={'shared-process' if r.shared_process else 'process-per-side'}")
 
 
 def main() -> None:
@@ -398,7 +464,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=21, help="timed rounds (each times every side once); "
                         "0 = no timing report (with --profile: profile only)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads in every process (default: "
+                        "torch's own, from OMP_NUM_THREADS or the cores)")
+    parser.add_argument("--shared-process", action="store_true", help="every side in this one process (for a "
+                        "loaded machine, where process switches add noise); default: one fresh process per side")
     parser.add_argument("--skip-memory", action="store_true", help="skip the two memory subprocesses")
     parser.add_argument("--gpu", action="store_true", help="models of Qwen2.5-0.5B's shape (random init), bf16 "
                         "autocast, on CUDA (needs a GPU; prepared, not yet run on one)")
@@ -406,10 +475,18 @@ def main() -> None:
                         help="after timing, print a torch.profiler table for these sides")
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--side-child", choices=ROWS, help=argparse.SUPPRESS)
+    parser.add_argument("--profile-child", choices=ROWS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     trl, transformers = start(args.threads, args.gpu)
     if args.memory_child:
         print(json.dumps(step_memory(build_side(args.memory_child, args.workdir, args.gpu))))
+        return
+    if args.side_child:
+        serve_side(*open_row(args.side_child, args.workdir, args.gpu))
+        return
+    if args.profile_child:
+        profile(open_row(args.profile_child, args.workdir, args.gpu)[0], args.profile_child)
         return
     result = measure(args, trl, transformers)
     if result is not None:

@@ -31,13 +31,15 @@ def pytest_configure(config):
 
     config.addinivalue_line("markers", "cuda: tests that need a CUDA device (tests/test_cuda.py); run only when "
                                        "selected with -m cuda, as bench/gpu_check.py does on a GPU machine")
+    config.addinivalue_line("markers", "bench: tests that run a benchmark against TRL (the bench extras' "
+                                       "environments); run only when selected with -m bench")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `slow` or `cuda` run only when a -m expression names their marker (`-m slow`, `-m cuda`);
+    """Tests marked `slow`, `cuda` or `bench` run only when a -m expression names their marker (`-m slow`, `-m cuda`);
     otherwise they are deselected (reported as such, not skipped), so `python -m pytest -q` stays fast and runs
     on a machine without a GPU."""
-    for marker in ("slow", "cuda"):
+    for marker in ("slow", "cuda", "bench"):
         if marker in (config.getoption("markexpr") or ""):
             continue
         marked = [item for item in items if item.get_closest_marker(marker)]
