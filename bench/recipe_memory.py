@@ -521,7 +521,7 @@ def measure_case(case: str) -> dict[str, float]:
         run = build_setup(cfg, accelerator, tokenizer, Dataset.from_dict(rows), None, *load_models(cfg, tmp))
         plan = plan_step(cfg, accelerator.mixed_precision)
         train_step(cfg, plan, accelerator, run, 1, Timer())  # the first: AdamW's moments, lazy set-up
-        models = [m for m in run.models if m is not None]
+        models = [m for m in run.models if hasattr(m, "parameters")]  # a LoRA run's reference holds no weights
         held = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
         held += sum(t.numel() * t.element_size() for opt in run.optimizers if opt is not None
                     for state in opt.optimizer.state.values() for t in state.values() if torch.is_tensor(t))
