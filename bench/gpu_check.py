@@ -18,7 +18,7 @@ reserved peaks, and the device-level peak, polled: what the CUDA context and the
   rlhf.step.train_step's each; per phase (sampling, log-probs, update) seconds and peak memory, next to
   bench/recipe_memory.py's computation for the same prompt length. A random model never samples EOS, so every
   response runs to 512 tokens: the worst case;
-- lora_recipes: the LoRA recipes (configs/*_lora.yaml) the same way, where the checkout has rlhf/lora.py;
+- lora_recipes: the LoRA recipes (configs/*_lora.yaml) the same way (peft from the carried wheels);
 - settings_80gb: each recipe with its 80 GB column's sizes (bench/recipe_memory.fitting_overrides: larger
   micro-batches, no checkpointing) on one mini-batch of prompts, two steps: per phase peak against the model;
 - evaluation: the greedy evaluation at each recipe's evaluation batch and response length, the actor alone:
@@ -506,8 +506,8 @@ def steps_line(name: str, record: dict) -> str:
 
 def recipes(result, args, model_dir: str, rows: Rows, tmp: str, report: Report, memory: PartMemory,
             lora: bool = False) -> None:
-    if lora and importlib.util.find_spec("rlhf.lora") is None:
-        raise Skipped("this checkout has no rlhf/lora.py")
+    if lora and importlib.util.find_spec("peft") is None:
+        raise Skipped("peft is not installed: python bench/prepare_gpu_check.py carries its wheel (--packages peft)")
     lines = []
     for name in ("ppo", "grpo"):
         cfg = recipe_config(args, name, model_dir, os.path.join(tmp, name), lora=lora)

@@ -444,7 +444,7 @@ VALIDATION_CASES = {
                               "rollout.log_prob_micro_batch_size=8", "model.gradient_checkpointing=false"],
     "grpo": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=8",
              "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=10", "rollout.log_prob_micro_batch_size=20"],
-    # measured where the trainer has LoRA (rlhf/lora.py); float32 weights, as the other cases
+    # measured where peft is installed (the lora extra); float32 weights, as the other cases
     "ppo-lora": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=32",
                  "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4", "rollout.log_prob_micro_batch_size=8",
                  "model.dtype=float32"],
@@ -542,8 +542,8 @@ def validate() -> int:
     import importlib.util
 
     for case in VALIDATION_CASES:
-        if case in LORA_RECIPES and importlib.util.find_spec("rlhf.lora") is None:
-            print(f"| {case} | not measured: this checkout has no rlhf/lora.py | | | | |")
+        if case in LORA_RECIPES and importlib.util.find_spec("peft") is None:
+            print(f"| {case} | not measured: peft is not installed (pip install -e \".[lora]\") | | | | |")
             continue
         measured = json.loads(subprocess.run([sys.executable, __file__, "--measure", case], env=env, check=True,
                                              capture_output=True, text=True).stdout.strip().splitlines()[-1])

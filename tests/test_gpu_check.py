@@ -10,15 +10,13 @@ import sys
 from helpers import REPO
 
 SCRIPT = os.path.join(REPO, "bench", "gpu_check.py")
-LORA = importlib.util.find_spec("rlhf.lora") is not None  # the LoRA recipes' part runs where the checkout has it
 _spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 gpu_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)
 
 
 def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
-    """Every part runs (or says why it cannot: the CUDA tests, the compiled step at toy size, the LoRA recipes
-    without rlhf/lora.py), in the order of docs/gpu.md, and prints one line with its numbers."""
+    """Every part runs (or says why it cannot: the CUDA tests, the compiled step at toy size), in the order of docs/gpu.md, and prints one line with its numbers."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, SCRIPT, "--toy", "--device", "cpu", "--out", str(tmp_path),
                            "--prepared", str(tmp_path / "nothing")], env=env, capture_output=True, text=True,
@@ -29,7 +27,7 @@ def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
         report = json.load(f)
     parts = report["parts"]
     assert list(parts) == list(gpu_check.PARTS)
-    cannot_run = {"cuda_tests", "compiled_decoding"} | ({"lora_recipes"} if not LORA else set())
+    cannot_run = {"cuda_tests", "compiled_decoding"}  # the test extra installs peft: the LoRA recipes run
     assert {name for name, p in parts.items() if p["status"] != "ok"} == cannot_run, parts
     assert all(parts[name]["status"] == "skipped" and parts[name]["note"] for name in cannot_run)
     lines = [line for line in done.stdout.splitlines() if " in " in line and line.split("] ")[-1].split(":")[0] in parts]
@@ -37,7 +35,7 @@ def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
     assert all(parts[name].get("summary", parts[name].get("note")) in line for name, line in zip(parts, lines))
     assert report["finished"] and report["prompts"]["rows"] > 1000
     assert set(parts["embedded_default"]["accuracy_by_step"]) == {"0", "2"}
-    for name in ("recipes", "settings_80gb") + (("lora_recipes",) if LORA else ()):
+    for name in ("recipes", "settings_80gb", "lora_recipes"):
         for recipe, responses in (("ppo", 4), ("grpo", 20)):
             responses //= 2 if name == "settings_80gb" else 1  # one mini-batch of prompts
             record = parts[name][recipe]
