@@ -35,6 +35,7 @@ step; bench/gpu_check.py measures both on a GPU, and bench/decode_speed.py on th
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import torch
@@ -80,6 +81,30 @@ def cache_kept(model):
     finally:
         for layer in layers:
             layer.training = True
+
+
+# A decoding step's work (multiply-adds over the batch, ~ batch x parameters) below which it runs on one thread
+# where idle OpenMP threads sleep. Measured on 2 cores, OMP_WAIT_POLICY=PASSIVE: bench/README.md, "Decoding threads".
+ONE_THREAD_BELOW = 10**8
+
+
+@contextlib.contextmanager
+def few_threads(model, batch_size: int):
+    """Inside the block, torch uses one thread when decoding `batch_size` rows of `model` on the CPU is small work
+    (batch x parameters < ONE_THREAD_BELOW) and idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE): each op
+    shared between threads then wakes a sleeping one with a system call, which costs more than a small op, and a
+    token is ~150 of them. With spinning threads (the default policy) sharing pays, and nothing changes."""
+    threads = torch.get_num_threads()
+    one = (threads > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+           and next(model.parameters()).device.type == "cpu"
+           and batch_size * sum(p.numel() for p in model.parameters()) < ONE_THREAD_BELOW)
+    if one:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if one:
+            torch.set_num_threads(threads)
 
 
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick, temperature: float,

@@ -202,3 +202,48 @@ def test_compiled_step_under_autocast_takes_either_cache_dtype(values, monkeypat
                                            (EOS,), PAD, keep_logprobs=True, compiled=compiled)
     assert torch.equal(runs[False][0], runs[True][0])
     assert torch.allclose(runs[False][1], runs[True][1], atol=0.05)  # bf16 matmuls over the masked, longer cache
+
+
+@pytest.mark.parametrize("policy, threshold, expected", [
+    ("PASSIVE", decode.ONE_THREAD_BELOW, 1),  # sleeping threads, small work: one thread
+    ("passive", decode.ONE_THREAD_BELOW, 1),  # OpenMP reads the policy case-insensitively
+    (None, decode.ONE_THREAD_BELOW, 2),  # the default policy spins: sharing pays, nothing changes
+    ("ACTIVE", decode.ONE_THREAD_BELOW, 2),
+    ("PASSIVE", "at", 2),  # batch x parameters exactly at the threshold: not below it
+    ("PASSIVE", "just above", 1),
+])
+def test_decoding_takes_one_thread_where_sleeping_threads_would_cost_more(policy, threshold, expected, monkeypatch):
+    """generate's decoding runs on one thread only under OMP_WAIT_POLICY=PASSIVE and below the work threshold (both
+    sides of it), the thread count is set back afterwards, and the tokens are the same as with two threads."""
+    model = tiny_qwen2(64, seed=1, pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=True)
+    work = 4 * sum(p.numel() for p in model.parameters())  # 4 prompts
+    if threshold == "at":
+        monkeypatch.setattr(decode, "ONE_THREAD_BELOW", work)
+    elif threshold == "just above":
+        monkeypatch.setattr(decode, "ONE_THREAD_BELOW", work + 1)
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7], [3, 4], [11, 12, 13, 2], [2]], PAD)
+    tokenizer, params = type("Tok", (), {"pad_token_id": PAD, "eos_token_id": EOS}), SamplingParams(9, ignore_eos=True)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = generate(model, tokenizer, prompt_ids, prompt_mask, params,
+                       generator=paired_noise_generator(7, 3, 0, "cpu"), return_logprobs=True)
+        assert torch.get_num_threads() == 2  # set back
+    finally:
+        torch.set_num_threads(before)
+        hook.remove()
+    assert seen == [expected] * 9  # the prompts' pass and every token's step
+    monkeypatch.setattr(decode, "ONE_THREAD_BELOW", 0)  # never: the tokens as two threads draw them
+    torch.set_num_threads(2)
+    try:
+        two = generate(model, tokenizer, prompt_ids, prompt_mask, params,
+                       generator=paired_noise_generator(7, 3, 0, "cpu"), return_logprobs=True)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out.response_ids, two.response_ids)
