@@ -84,7 +84,7 @@ def cache_kept(model):
 
 
 # A decoding step's work (multiply-adds over the batch, ~ batch x parameters) below which it runs on one thread
-# where idle OpenMP threads sleep. Measured on 2 cores, OMP_WAIT_POLICY=PASSIVE: bench/README.md, "Decoding threads".
+# where idle OpenMP threads sleep (measured on 2 cores: docs/gpu.md, "Decoding").
 ONE_THREAD_BELOW = 10**8
 
 
