@@ -31,11 +31,8 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Sum of `x` over the positions where `mask` is set; over all dims if `dim` is None.
-
-    Masked-out entries are replaced by 0 with `torch.where`, not multiplied by the mask, so NaN * 0 = NaN
-    cannot leak from padding into the result.
-    """
+    """Sum of `x` over the positions where `mask` is set (over all dims if `dim` is None). Masked-out entries are
+    replaced by 0 with `torch.where`, not multiplied by the mask, so NaN * 0 = NaN cannot leak from padding."""
     x = torch.where(mask.bool(), x, torch.zeros_like(x))
     return x.sum() if dim is None else x.sum(dim)
 
@@ -47,12 +44,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of `x` over all valid positions (a scalar).
-
-    With `unbiased`, Bessel's correction n / (n - 1) is applied when n > 1 valid entries exist; with one
-    valid entry the (zero) biased variance is returned rather than dividing by zero, and an empty mask
-    gives 0.
-    """
+    """Variance of `x` over all valid positions (a scalar); `unbiased`: Bessel's correction n / (n - 1) where
+    n > 1 (one valid entry gives the biased 0, an empty mask 0)."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     if unbiased:
@@ -63,14 +56,9 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum = one_process,
                   shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Normalise `x` (B, T) to unit variance (and zero mean if `shift_mean`) using statistics of valid tokens
-    only: the mean and unbiased variance (as `masked_var`) of the valid tokens of every process, summed by
-    `reduce_sum` (rlhf.processes), so N processes whiten as one process holding the whole batch would (verl
-    whitens on the driver).
-
-    With `shift_mean=False` the original mean is added back, i.e. only the scale changes. Masked-out
-    positions are returned as 0.
-    """
+    """`x` (B, T) at zero mean (unless not `shift_mean`) and unit variance over the valid tokens of every process:
+    their mean and unbiased variance, summed by `reduce_sum` (rlhf.processes), so that N processes whiten as one
+    holding the whole batch would (verl whitens on the driver). Masked-out positions are returned as 0."""
     valid = mask.bool()
     total, count = reduce_sum(torch.stack([torch.where(valid, x, 0.0).sum(), valid.sum().to(x.dtype)]))
     mean = total / count.clamp(min=1)
@@ -117,21 +105,14 @@ def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl_per_toke
 @torch.no_grad()
 def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
                 lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016) over response tokens.
-
-    Args: `token_rewards`, `values`, `response_mask` are (B, T); the reward at position t is the reward for
-    emitting token t (e.g. the KL penalty on every token plus the score on the last valid one).
-
-    Masked-out positions are treated as absent from the sequence, wherever they are: the recursion runs
-    over the valid tokens only, so the "next value" after the last valid token is 0 (the episode ends
-    there) and a masked token in the middle is skipped, linking the valid tokens on either side of it.
-    Rewards and values at masked-out positions are therefore ignored (NaN is fine there); a reward meant
-    for the episode must sit on a valid token.
+    """Generalised advantage estimation (Schulman et al. 2016) over response tokens, all (B, T); the reward at t
+    is the reward for emitting token t (the KL penalty on every token, the score on the last valid one):
 
         delta_t = r_t + gamma * V_next(t) - V_t,   A_t = delta_t + gamma * lam * A_next(t)
 
-    Returns `(advantages, returns)`, both (B, T), with returns = advantages + values on valid tokens and
-    both 0 on masked-out ones. No whitening happens here (the "gae" estimator below whitens).
+    The recursion runs over the valid tokens only: after the last one the next value is 0 (the episode ends),
+    a masked token in the middle is skipped, and rewards and values at masked-out positions are ignored (NaN is
+    fine there). Returns (advantages, returns = advantages + values), 0 where masked; not whitened (`gae` is).
     """
     valid = response_mask.bool()
     num_seqs, num_steps = values.shape
@@ -282,10 +263,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     taken the gradient is 0. The ratio is formed in float32 from the log-ratio clamped to [-20, 20], so
     exp cannot overflow.
 
-    `agg_kwargs` (num_tokens, num_seqs, norm_len) go to `agg_loss`. Metrics: `actor/pg_loss`,
-    `actor/pg_clipfrac` (fraction of valid tokens where the clipped term was taken), `actor/ppo_kl` (mean
-    of old_logprobs - logprobs, the k1 estimate of KL(old || new)), `actor/pg_clipfrac_lower` (fraction
-    where the dual clip was taken) and `actor/importance_ratio/mean|max` (of the ratio over valid tokens).
+    `agg_kwargs` (num_tokens, num_seqs, norm_len) go to `agg_loss`. Metrics, as verl's: the shares of valid tokens
+    where the clip (`actor/pg_clipfrac`) and the dual clip (`_lower`) were taken, `actor/ppo_kl` the k1 estimate
+    of KL(old || new).
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
@@ -323,8 +303,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     original PPO code (openai/baselines ppo2); `cliprange_value=None` disables it. Metrics:
     `critic/vf_loss`, `critic/vf_clipfrac` (fraction of valid tokens where the clipped term was taken).
     """
-    values = values.float()
-    returns = returns.float()
+    values, returns = values.float(), returns.float()
     unclipped = (values - returns) ** 2
     if cliprange_value is None:
         clipped = unclipped

@@ -140,25 +140,19 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
              return_logprobs: bool = False) -> Sequences:
     """Sample (or greedily decode) one response per left-padded prompt: the prompts and responses as `Sequences`.
 
-    Our own decoding loop over a KV cache (rlhf.decode's static cache where it applies, else its reference loop),
-    the same passes as `model.generate` (greedy output is identical, see tests/test_rollout.py) without its
-    per-token machinery. A sequence ends at the first of its stop_token_ids (every EOS id of the
-    model's generation config, and the tokenizer's); generation stops when every sequence has ended or after
-    max_new_tokens;
-    `all_finished((B,) bool finished) -> bool` may widen "every sequence" to other processes' too;
-    `generator` is the sampling noise's source (`paired_noise_generator`), the global random state if None.
-    `return_logprobs` keeps `Sequences.logprobs`, (B, R) float32, 0 after the response: each sampled token's
-    log-prob under softmax(logits / temperature) of the logits it was sampled from, before any top-k/top-p
-    filter, so the same quantity the trainer's forward pass computes (rlhf.step.logprobs_and_logits).
+    rlhf.decode's loops over a KV cache: the passes of `model.generate` (greedy output is identical,
+    tests/test_rollout.py) without its per-token machinery. A sequence ends at the first of its stop_token_ids;
+    decoding stops when every sequence has (`all_finished((B,) bool finished) -> bool` may widen that to other
+    processes' sequences) or after max_new_tokens. `generator` is the noise's source (`paired_noise_generator`;
+    None: the global random state). `return_logprobs` keeps `Sequences.logprobs`: each sampled token's log-prob
+    under softmax(logits / temperature) before any top-k/top-p filter, as the trainer's forward pass computes it.
     """
     model = plain_model(model)  # a LoRA policy samples through its transformers model, adapters in place
     eos = None if params.ignore_eos else stop_token_ids(model, tokenizer)
-    # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here).
-    # Its tensors cannot enter autograd, so the tokens are cloned into a normal tensor on the way out. Not for
-    # FSDP2-sharded models: the parameters they gather would become inference tensors, which FSDP's later
-    # in-place updates of them refuse. Not under autocast either: there it stops autocast from keeping its
-    # half-precision copies of the weights from one token to the next, so every token casts every weight
-    # again (at Qwen2.5-0.5B's width on CPU: 0.21 s per token against 0.11 s under no_grad).
+    # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here); the
+    # tokens are cloned out of it below. Not for FSDP2-sharded models (the parameters they gather would become
+    # inference tensors, which FSDP's in-place updates refuse), nor under autocast (every token would cast every
+    # weight again: 0.21 s per token against 0.11 s under no_grad at Qwen2.5-0.5B's width on CPU).
     lighter = not isinstance(model, FSDPModule) and not torch.is_autocast_enabled(prompt_ids.device.type)
     pick, all_finished = functools.partial(next_token, params=params, generator=generator), all_finished or torch.all
     with torch.inference_mode() if lighter else torch.no_grad(), decode.cache_kept(model):
@@ -171,10 +165,8 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
                                                              pick, params.temperature, eos, tokenizer.pad_token_id,
                                                              return_logprobs, all_finished)
     response_ids = response_ids.clone()
-    if eos is None:  # ignore_eos: every sampled token is part of the response
-        response_mask = torch.ones_like(response_ids)
-    else:
-        response_mask = response_mask_from_ids(response_ids, eos)
+    # ignore_eos (no stop ids): every sampled token is part of the response
+    response_mask = torch.ones_like(response_ids) if eos is None else response_mask_from_ids(response_ids, eos)
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
     kept = torch.where(response_mask.bool(), logprobs.clone(), 0.0) if return_logprobs else None
     return Sequences.build(prompt_ids, prompt_mask, response_ids, response_mask, kept)

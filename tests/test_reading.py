@@ -19,6 +19,7 @@ import rlhf.step
 from rlhf import decode
 from rlhf.config import load_config
 from rlhf.models import load_causal_lm
+from rlhf.rewards import load_reward
 
 PAGE = os.path.join(REPO, "docs", "reading.md")
 ROW = re.compile(r"^\| (\d+) \| `([^`]+)` \| (the top|`[^`]+`) \| (the end|`[^`]+`) \| [^|]+ \| ([\d,]+) \|$", re.M)
@@ -147,7 +148,8 @@ REACHED_THROUGH_OBJECTS = [
     ("rlhf/core_algos.py", "_agg_token_mean"),  # LOSS_AGG_REGISTRY[actor.loss_agg_mode]
     ("rlhf/kl/estimators.py", "kl_k1"),  # the reward's estimator, algorithm.kl_penalty
     ("rlhf/kl/controllers.py", "FixedKLController"),  # run.kl_ctrl
-    ("rlhf/rewards/gsm8k.py", "reward_func"),  # run.reward: reward.function
+    ("rlhf/rewards/__init__.py", "RewardFn"),  # run.reward: reward.function, called and checked
+    ("rlhf/rewards/gsm8k.py", "reward_func"),  # run.reward.fn: reward.function
     ("rlhf/prompt_order.py", "PromptOrder"),  # run.prompt_order
     ("rlhf/registry.py", "Registry"),  # the registries' lookups
     ("rlhf/tracking.py", "Timer"),  # timer
@@ -182,6 +184,8 @@ def test_the_definitions_reached_through_objects_are_the_default_configs():
     assert (cfg.algorithm.adv_estimator, cfg.actor.loss_agg_mode, cfg.algorithm.kl_penalty) == ("gae", "token-mean", "k1")
     assert (cfg.algorithm.kl_ctrl.type, cfg.reward.function) == ("fixed", "rlhf.rewards.gsm8k:reward_func")
     assert rlhf.step.core_algos.ADV_ESTIMATOR_REGISTRY["gae"].__name__ == "_gae_advantages"
+    reward = load_reward(cfg)
+    assert (type(reward).__name__, reward.fn.__name__) == ("RewardFn", "reward_func")
     assert rlhf.step.core_algos.LOSS_AGG_REGISTRY["token-mean"].__name__ == "_agg_token_mean"
 
 

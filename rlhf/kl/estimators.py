@@ -167,25 +167,18 @@ class KLEstimator:
         return (rho if rule == IN_GRAPH else rho.detach()) * value
 
 
-def kl_penalty(
-    logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str, old_logprob: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Per-token KL estimate, elementwise: logprob, ref_logprob (B, T) or any equal shape -> same shape.
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str,
+               old_logprob: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL estimate, elementwise: logprob, ref_logprob (B, T) or any equal shape -> same shape, in
+    float32 for half-precision inputs. Same name and argument order as verl's kl_penalty.
 
-    `estimator` is one of ESTIMATOR_NAMES (the table in rlhf.kl's docstring). `X+` returns X's value (equal
-    for finite values) with k2's gradient, `k2 - k2.detach() + X.detach()`, i.e. d/dlogprob = logprob -
-    ref_logprob (and -(logprob - ref_logprob) w.r.t. ref_logprob if it requires grad). Half-precision inputs
-    are computed in float32 and the result is float32. Same name and argument order as verl's kl_penalty.
-
-    `old_logprob` (same shape, never differentiated) is the log-prob under the policy that sampled the tokens,
-    for a KL loss on off-policy samples (PPO after the first optimizer step). The result's value is then rho * X
-    with rho = exp(clamp(logprob - old_logprob, -20, 20)) as in the policy loss, and its gradient follows the
-    estimator's off-policy rule (off_policy_rule: rho in the graph for k1; for k3, X+'s gradient, k2's, with rho
-    detached; rho detached for k2, abs and every `X+`; rlhf.kl's docstring says why). Then E_{x~pi_old} of the
-    value is X's on-policy mean and, for k1, k2, k3 and every `X+`, E_{x~pi_old} of the gradient is
-    grad KL(pi || ref) at every d (for abs, 2 grad TV as on-policy). This changes the gradient even where
-    old_logprob == logprob (rho == 1): the on-policy k1 and k3 losses do not give grad KL(pi || ref), the
-    corrected ones do. None (the default) leaves the term unweighted.
+    `estimator` is one of ESTIMATOR_NAMES (the table in rlhf.kl's docstring); `X+` is X's value with k2's gradient,
+    `k2 - k2.detach() + X.detach()`. `old_logprob` (never differentiated), the log-prob under the policy that
+    sampled the tokens, is for a KL loss off-policy (PPO after the first optimizer step): the value is then rho * X,
+    rho = exp(clamp(logprob - old_logprob, -20, 20)) as in the policy loss, with rho in the graph or detached by
+    the estimator's rule (off_policy_rule; rlhf.kl's docstring says why), so that over x ~ pi_old the mean value is
+    X's on-policy mean and the mean gradient grad KL(pi || ref) for k1, k2, k3 and every `X+` (abs: 2 grad TV). It
+    changes the gradient even at rho == 1: uncorrected, the k1 and k3 losses do not give grad KL(pi || ref).
     """
     return _parse(estimator, allow_full=False)(logprob, ref_logprob, old_logprob=old_logprob)
 
@@ -199,10 +192,7 @@ def kl_panel(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tenso
     """
     if mask.shape != logprob.shape:
         raise ValueError(f"mask {tuple(mask.shape)} and logprob {tuple(logprob.shape)} differ")
-    return {
-        f"kl/{name}": masked_mean(kl_penalty(logprob, ref_logprob, name), mask).item()
-        for name in PANEL_ESTIMATORS
-    }
+    return {f"kl/{name}": masked_mean(kl_penalty(logprob, ref_logprob, name), mask).item() for name in PANEL_ESTIMATORS}
 
 
 # ----------------------------------------------------------------- questions about a name (the config's checks)
