@@ -44,8 +44,8 @@ def run_kl(cfg) -> tuple[str | None, str | None, float]:
     if a.use_kl_in_reward:
         return a.kl_penalty, "reward", a.kl_ctrl.kl_coef
     if ac.use_kl_loss and ac.kl_loss_off_policy_correction:
-        # weighted by rho = pi / pi_old in the graph, k1's and k3's loss has the expected gradient of E_pi[k] =
-        # KL(pi || ref) at every mini-batch, which k2 in the loss has on-policy (lab.theory.peers.on_policy_equivalent)
+        # corrected (rho in the graph for k1, k3's gradient taken as k3+'s), k1's and k3's loss has the expected
+        # gradient of KL(pi || ref) at every mini-batch, which k2 in the loss has on-policy (rlhf.kl's docstring)
         return "k2", "loss", ac.kl_loss_coef
     if ac.use_kl_loss:
         return ac.kl_loss_type, "loss", ac.kl_loss_coef

@@ -122,8 +122,9 @@ def test_the_exact_policy_gradient_and_the_expected_kl_are_exact(run):
 
 
 def test_the_expected_k3_loss_keeps_k3s_clamp():
-    """kl="expected" is the estimator's own expected loss gradient, clamp included: a token past k3's lower edge
-    (d = -4) adds nothing to it, where the forward KL's pi - ref would pull it up."""
+    """kl="expected" is the estimator's own expected loss gradient, clamp included: a sample past k3's lower edge
+    (d = -4) adds nothing to it, so that token's logit moves only through the softmax, by -pi_x E_pi[slope],
+    where the forward KL's pi - ref would pull it up."""
     ref = torch.tensor([[0.6, 0.2, 0.1, 0.05, 0.03, 0.02]], dtype=torch.float64)
     pi = ref.clone()
     pi[0, 0] = ref[0, 0] * math.exp(-4.0)

@@ -13,7 +13,9 @@ from helpers import nudge
 
 from lab import theory
 from lab.theory import peers
-from lab.theory.peers import PEERS, PeerDefault, on_policy_equivalent, peer_cells, peer_kl_grad, peer_report, verdict
+from lab.theory.fixed_points import token_penalty
+from rlhf.kl.estimators import K3_CLAMP_EDGES
+from lab.theory.peers import PEERS, PeerDefault, on_policy_value, peer_cells, peer_kl_grad, peer_report, verdict
 
 TOL = 1e-10
 
@@ -25,11 +27,13 @@ K3_LOSS = ("forward KL", "biased, cos=0.8283, norm x2.01", FORWARD)
 K3_RHO = ("exact", "exact", REVERSE)
 K3_UNIT = ("exact", "biased, cos=0.9646, norm x1.18", REVERSE)
 K1_LOSS = ("zero", "biased, cos=-0.9953, norm x0.46", ARGMAX)
+K1_LOSS_CLAMPED = ("zero", "biased, cos=-0.9953, norm x0.46", "other, max|pi - reverse opt| = 0.421")
 K1_REWARD = ("exact", "biased, cos=0.9997, norm x0.58", REVERSE)
 K3_REWARD = ("biased, cos=-0.3679, norm x0.49", "biased, cos=0.0165, norm x0.13", ARGMAX)
 GRPO5_K3_LOSS = "grpo, n=5: best arm 0.786, TV 0.195 from it"
 GRPO8_K3_LOSS = "grpo, n=8: best arm 0.824, TV 0.232 from it"
 GRPO8_K2_LOSS = "grpo, n=8: best arm 0.975, TV 0.396 from it"  # rho-weighted k3: k2's gradient, in the loss
+GRPO8_ARGMAX = "grpo, n=8: best arm 1.000, TV 0.421 from it"  # the same, clamped: no pull past the edge
 VERDICTS = {
     ("verl", "GRPO recipes: actor.use_kl_loss=True"): (*K3_LOSS, GRPO5_K3_LOSS),
     ("verl", "algorithm.use_kl_in_reward=True"): (*K1_REWARD, "gae: the same"),
@@ -38,13 +42,14 @@ VERDICTS = {
     ("TRL", "RLOOTrainer"): (*K1_REWARD, "rloo, n=2: the same"),
     ("TRL", "PPOTrainer (trl.experimental.ppo)"): (*K1_REWARD, "gae: the same"),
     ("OpenRLHF", "default, every advantage estimator (gae, group_norm = GRPO, ...)"): (*K1_REWARD, "gae: the same"),
-    ("OpenRLHF", "--algo.kl.use_loss, estimator left at its default"): (*K1_LOSS, "gae: the same"),
+    ("OpenRLHF", "--algo.kl.use_loss, estimator left at its default"): (*K1_LOSS_CLAMPED,
+                                                                         "gae: best arm 1.000, TV 0.000 from it"),
     ("NeMo-RL", "GRPO: grpo_math_1B.yaml, ClippedPGLossConfig"): (*K3_UNIT, "not modelled"),
     ("NeMo-RL", "use_on_policy_kl_approximation=True"): (*K3_RHO, "not modelled"),
     ("NeMo-RL", "use_kl_in_reward=True (Reinforce++, GAE)"): (*K3_REWARD, "not modelled"),
     ("slime", "GRPO scripts: --use-kl-loss --kl-loss-type low_var_kl"): (*K3_LOSS, GRPO8_K3_LOSS),
     ("slime", "--use-kl-loss, --kl-loss-type left at its default"): (*K1_LOSS, "grpo, n=8: the same"),
-    ("slime", "--use-kl-loss --use-unbiased-kl (low_var_kl)"): (*K3_RHO, GRPO8_K2_LOSS),
+    ("slime", "--use-kl-loss --use-unbiased-kl (low_var_kl)"): (*K3_RHO, GRPO8_ARGMAX),
     ("slime", "--kl-coef > 0 (advantage estimator ppo or reinforce_plus_plus)"): (*K1_REWARD, "gae: the same"),
     ("SkyRL", "default (grpo and gae alike)"): (*K3_LOSS, GRPO5_K3_LOSS),
     ("SkyRL", "use_kl_in_reward=True (use_kl_loss=False)"): (*K3_REWARD, "grpo, n=5: the same"),
@@ -148,11 +153,54 @@ def test_biased_cells_are_far_from_the_reverse_kl_gradient(peer):
 
 @pytest.mark.parametrize("name", ["A", "B"])
 @pytest.mark.parametrize("peer", PEERS, ids=IDS)
-def test_on_policy_equivalent_has_the_same_gradient(peer, name):
+def test_on_policy_value_has_the_same_gradient(peer, name):
+    """The fixed points' value function gives the row's own on-policy expected gradient, pi (p - E_pi p)."""
     logits, ref = theory.example(name)
-    estimator, placement = on_policy_equivalent(peer)
-    grad = {"loss": theory.expected_loss_grad, "reward": theory.expected_reward_grad}[placement]
-    torch.testing.assert_close(peer_kl_grad(peer, logits, ref), grad(estimator, logits, ref), rtol=0, atol=TOL)
+    pi = torch.softmax(logits, -1)
+    p = token_penalty(logits, ref, on_policy_value(peer), "loss")
+    if peer.placement == "reward":  # the detached penalty reaches the policy through the ratio: E_pi[k grad log pi]
+        p = token_penalty(logits, ref, on_policy_value(peer), "reward")
+    torch.testing.assert_close(peer_kl_grad(peer, logits, ref), pi * (p - (pi * p).sum()), rtol=0, atol=TOL)
+
+
+D = torch.linspace(-15.0, 15.0, 601, dtype=torch.float64)  # both sides of k3's edges, -2.611 and 11.0
+
+
+def pull(peer: PeerDefault) -> torch.Tensor:
+    """The on-policy loss term's per-sample pull d(term)/d(log pi) at each d in D (token_penalty's p)."""
+    ref_logprob = torch.full_like(D, 0.5).log()
+    logprob = (ref_logprob + D).requires_grad_(True)
+    (grad,) = torch.autograd.grad(on_policy_value(peer)(logprob, ref_logprob).sum(), logprob)
+    return grad
+
+
+def test_each_framework_clamps_where_its_code_does():
+    """Past k3's edges (d < -2.611 or d > 11.0) a clamped term pulls on nothing, TRL's unclamped k3 keeps its pull:
+    rho- or unit-weighted, k2's d (TRL) or d inside the edges only (slime, NeMo-RL, which clamp after the weight);
+    unweighted, k3's 1 - e^-d (TRL) or that inside the edges only (verl, SkyRL, slime's low_var_kl)."""
+    low, high = K3_CLAMP_EDGES
+    inside = (D > low) & (D < high)
+    row = {(p.framework, p.setting): p for p in PEERS}
+    trl_rho = row[("TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=True")]
+    trl_plain = row[("TRL", "GRPOTrainer, beta > 0, use_bias_correction_kl=False")]
+    torch.testing.assert_close(pull(trl_rho), D, rtol=0, atol=1e-9)
+    torch.testing.assert_close(pull(trl_plain), -torch.expm1(-D), rtol=1e-12, atol=1e-12)
+    for peer in PEERS:
+        if peer.placement != "loss" or peer.estimator != "k3" or peer.framework == "TRL":
+            continue
+        assert peer.clamp == 10.0, peer
+        want = D if peer.correction != "none" else -torch.expm1(-D)
+        torch.testing.assert_close(pull(peer), torch.where(inside, want, 0.0), rtol=1e-12, atol=1e-9)
+
+
+def test_openrlhf_clamps_k1_too():
+    """OpenRLHF clamps every estimator: its k1 loss pulls with 1 inside [-10, 10] and not at all past it, so on the
+    bandit a token that falls below d = -10 is held there (the second arm, at its clamp's edge) while the others die."""
+    (openrlhf,) = [p for p in PEERS if p.framework == "OpenRLHF" and p.placement == "loss"]
+    torch.testing.assert_close(pull(openrlhf), torch.where(D.abs() <= 10, 1.0, 0.0).double(), rtol=0, atol=1e-12)
+    ref = peers.bandit()[0]
+    d = (peers.peer_fixed_point(openrlhf) / ref).log()
+    assert -10.5 < d[1] < -10.0 and (d[2:] < -25).all()
 
 
 def test_bad_rows_raise():
@@ -160,8 +208,6 @@ def test_bad_rows_raise():
     for bad in (dict(placement="both"), dict(correction="clipped")):
         with pytest.raises(ValueError, match="placement must be one of"):
             peer_kl_grad(PeerDefault(**{**row.__dict__, **bad}), *theory.example("A"))
-    with pytest.raises(ValueError, match="no on-policy equivalent"):
-        on_policy_equivalent(PeerDefault(**{**row.__dict__, "estimator": "k2", "correction": "rho"}))
 
 
 def test_report_lists_every_row_and_source():
@@ -175,7 +221,16 @@ def test_report_lists_every_row_and_source():
         assert peer.advantage_notes in report
 
 
-@pytest.mark.parametrize("peer", PEERS, ids=IDS)
+OPTIMA = (REVERSE, FORWARD, ARGMAX)
+
+
+def test_one_row_stops_at_no_optimum():
+    """Every row but OpenRLHF's clamped k1 loss (test_openrlhf_clamps_k1_too) stops at a named optimum."""
+    assert [key for key, cells in VERDICTS.items() if cells[2] not in OPTIMA] == [
+        ("OpenRLHF", "--algo.kl.use_loss, estimator left at its default")]
+
+
+@pytest.mark.parametrize("peer", [p for p in PEERS if VERDICTS[(p.framework, p.setting)][2] in OPTIMA], ids=str)
 def test_fixed_points_equal_the_named_optimum(peer):
     """The fixed point equals its named optimum to 1e-10, and the bandit tells the three optima apart."""
     from lab.theory.optima import argmax_optimum, forward_kl_optimum, reverse_kl_optimum
@@ -204,21 +259,28 @@ def test_the_advantage_estimator_moves_only_a_loss_that_regularises(peer):
     grpo's std keeps unit-scale policy gradients against it: the policy goes far towards the best arm."""
     idealised, probs = peers.peer_fixed_point(peer), peers.peer_fixed_point(peer, with_advantage=True)
     gap = (probs - idealised).abs().max().item()
-    if peer.placement == "reward" or peer.estimator in ("k1", "kl") or peer.advantage.advantage != "grpo":
+    if peer.placement == "loss" and peer.estimator in ("k1", "kl"):
+        assert gap < 2e-5  # nothing but what a clamp holds: OpenRLHF's, at e^-10 of the reference's odds
+    elif peer.placement == "reward" or peer.advantage.advantage != "grpo":
         assert gap < TOL
     else:
         assert gap > 0.1 and probs.argmax() == 0 and probs[0] > idealised[0]
 
 
 def test_a_rho_weighted_loss_stays_a_loss_under_grpo():
-    """rho-weighted k3 has k1-in-the-reward's on-policy gradient but is not inside the advantage: its on-policy
-    equivalent is k2 in the loss, which grpo's std moves; k1 in the reward it does not."""
-    (trl,) = [p for p in PEERS if p.framework == "TRL" and p.correction == "rho"]
-    assert on_policy_equivalent(trl) == ("k2", "loss")
+    """rho-weighted k3 has k1-in-the-reward's on-policy gradient but is not inside the advantage: grpo's std moves
+    it (TRL's, unclamped, to 0.975 on the best arm; slime's, clamped, past the edge and on to the argmax), and k1 in
+    the reward it does not."""
+    trl, slime = ([p for p in PEERS if p.framework == name and p.correction == "rho"][0] for name in ("TRL", "slime"))
     ref, rewards, beta = peers.bandit()
     reward_placed = theory.bandit_fixed_point(ref, rewards, beta, "k1", "reward", advantage="grpo", n=8)
-    assert (reward_placed - peers.peer_fixed_point(trl)).abs().max() < TOL
-    assert (peers.peer_fixed_point(trl, with_advantage=True) - reward_placed).abs().max() > 0.1
+    for peer in (trl, slime):
+        assert (reward_placed - peers.peer_fixed_point(peer)).abs().max() < TOL
+        assert (peers.peer_fixed_point(peer, with_advantage=True) - reward_placed).abs().max() > 0.1
+    k2_loss = theory.bandit_fixed_point(ref, rewards, beta, "k2", "loss", advantage="grpo", n=8)
+    assert (peers.peer_fixed_point(trl, with_advantage=True) - k2_loss).abs().max() < TOL
+    slime_point = peers.peer_fixed_point(slime, with_advantage=True)
+    assert slime_point[0] > 1 - 1e-12 and (slime_point / ref).log()[1:].max() < K3_CLAMP_EDGES[0]
 
 
 def test_an_unmodelled_advantage_raises():

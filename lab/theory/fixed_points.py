@@ -31,6 +31,7 @@ point' what the advantage models change. fixed_point_tables.py prints both table
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -47,6 +48,10 @@ from lab.theory.advantage_models import (
 
 # The rows of the report (any name kl_penalty takes, and `full`, is accepted; `k2+` is `k2`).
 ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+", "full")
+# An estimator is a name kl_penalty takes (or `full`), or a value function (logprob, ref_logprob) -> k, elementwise,
+# whose autograd derivative is the loss's per-token pull: lab.theory.peers passes a framework's own form that way,
+# its weight and its clamp included.
+Estimator = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PLACEMENTS = ("reward", "loss")
 
 _STEP = 0.5  # initial step on the logits, in units of 1/beta (1/beta solves 'reward: k1' in one step)
@@ -59,7 +64,15 @@ MAX_STEPS = 20_000
 TOL = 1e-14  # converged when no probability moves by more than this in one step
 
 
-def token_penalty(logits: torch.Tensor, ref_probs: torch.Tensor, estimator: str, placement: str) -> torch.Tensor:
+def _is_full(estimator: Estimator) -> bool:
+    return isinstance(estimator, str) and needs_logits(estimator)
+
+
+def _value(estimator: Estimator, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    return estimator(logprob, ref_logprob) if callable(estimator) else kl_penalty(logprob, ref_logprob, estimator)
+
+
+def token_penalty(logits: torch.Tensor, ref_probs: torch.Tensor, estimator: Estimator, placement: str) -> torch.Tensor:
     """p(x) for every token x, (..., K) -> (..., K): the KL term's share of the advantage, A_x = r_x - beta p(x).
 
     reward: p = k(x), the estimator's value (the trainer's detached penalty); for `full`, the state's exact KL.
@@ -67,7 +80,7 @@ def token_penalty(logits: torch.Tensor, ref_probs: torch.Tensor, estimator: str,
     gradient is pi * (p - E_pi p); for `full`, the exact gradient of full_kl divided by pi.
     """
     logprobs = torch.log_softmax(logits.detach(), dim=-1)
-    if needs_logits(estimator):
+    if _is_full(estimator):
         leaf = logits.detach().requires_grad_(True)
         kl = full_kl(leaf, ref_probs.log())  # (...)
         if placement == "reward":
@@ -75,15 +88,16 @@ def token_penalty(logits: torch.Tensor, ref_probs: torch.Tensor, estimator: str,
         (grad,) = torch.autograd.grad(kl.sum(), leaf)
         return grad / logprobs.exp()
     leaf = logprobs.requires_grad_(True)
-    k = kl_penalty(leaf, ref_probs.log(), estimator)
+    k = _value(estimator, leaf, ref_probs.log())
     if placement == "reward":
         return k.detach()
     (dk,) = torch.autograd.grad(k.sum(), leaf)  # elementwise estimator: the per-token derivative
     return dk
 
 
-def _check(ref_probs: torch.Tensor, beta: float, estimator: str, placement: str) -> None:
-    check_estimator(estimator, allow_full=True)
+def _check(ref_probs: torch.Tensor, beta: float, estimator: Estimator, placement: str) -> None:
+    if not callable(estimator):
+        check_estimator(estimator, allow_full=True)
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}; valid: {', '.join(PLACEMENTS)}")
     if not beta > 0:
@@ -92,15 +106,15 @@ def _check(ref_probs: torch.Tensor, beta: float, estimator: str, placement: str)
         raise ValueError("reference distributions must be positive and sum to 1 over the last dim")
 
 
-def _one_sided(ref_probs: torch.Tensor, estimator: str, placement: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _one_sided(ref_probs: torch.Tensor, estimator: Estimator, placement: str) -> tuple[torch.Tensor, torch.Tensor]:
     """token_penalty just below and just above pi = ref (d = -/+1e-9), to find kinks there (abs's sign(d))."""
-    if needs_logits(estimator):
+    if _is_full(estimator):
         zero = torch.zeros_like(ref_probs)
         return zero, zero
     sides = []
     for d in (-1e-9, 1e-9):
         leaf = (ref_probs.log() + d).requires_grad_(True)
-        k = kl_penalty(leaf, ref_probs.log(), estimator)
+        k = _value(estimator, leaf, ref_probs.log())
         sides.append(k.detach() if placement == "reward" else torch.autograd.grad(k.sum(), leaf)[0])
     return sides[0], sides[1]
 
@@ -231,7 +245,7 @@ def _ascend(advantages, refs: list[torch.Tensor], beta: float, kinks: list, max_
     raise RuntimeError(f"not converged after {max_steps} steps (a probability still moved by {moved:.3g})")
 
 
-def _penalties(refs: list[torch.Tensor], estimator: str, placement: str):
+def _penalties(refs: list[torch.Tensor], estimator: Estimator, placement: str):
     """_ascend's `penalties`: (i, logits (..., K)) -> the KL loss's p at those logits against refs[i]; None in the
     reward (the penalty there is a value, continuous at the clamp, and the group models scale it)."""
     if placement != "loss":
@@ -264,15 +278,16 @@ def _bandit_advantages(model: AdvantageModel, logits, rewards, beta: float, pena
 
 
 def bandit_fixed_point(
-    ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: str, placement: str,
+    ref_probs: torch.Tensor, rewards: torch.Tensor, beta: float, estimator: Estimator, placement: str,
     max_steps: int = MAX_STEPS, tol: float = TOL, *, advantage: str = "exact", n: int | None = None,
     start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The policy (K,) that training by exact expected gradients reaches from pi_ref on a K-armed bandit.
 
-    ref_probs, rewards: (K,) float64; estimator in ESTIMATORS, placement "reward" or "loss" (module docstring);
-    advantage the trainer's advantage estimator (advantage_models.ADVANTAGES, default the idealised
-    r_x - E_pi r) and n its group size (rloo, grpo, drgrpo only). A corner is reached to ~1e-14 (a dying
+    ref_probs, rewards: (K,) float64; estimator in ESTIMATORS (or a value function, Estimator), placement
+    "reward" or "loss" (module docstring); advantage the trainer's advantage estimator
+    (advantage_models.ADVANTAGES, default the idealised r_x - E_pi r) and n its group size (rloo, grpo, drgrpo
+    only). A corner is reached to ~1e-14 (a dying
     probability shrinks geometrically until it moves by less than tol). `start` (K,), a policy to start from
     instead of pi_ref: where the same dynamics go from there (from a stable point, nowhere). Raises
     RuntimeError if not converged within max_steps.

@@ -9,7 +9,9 @@ weight on the KL term. Three weights occur:
           is pi detached, so rho == 1 in value but adds k(x) grad log pi(x) to the gradient;
 - "unit": exp(lp - lp.detach()) * k(x), value 1 with that same extra gradient and no off-policy reweighting.
 A reward-placed KL is computed once from the sampling policy's log-probs and enters the policy loss through
-the advantage, which the PPO ratio reweights (inside the clip range).
+the advantage, which the PPO ratio reweights (inside the clip range). Each row also has the framework's own
+clamp: `clamp` 10 means the term, weight included, is clamped to [-10, 10] (flat past it: no gradient), None
+that it is not clamped at all (TRL writes k3 without one; slime clamps only low_var_kl; verl and SkyRL only k3).
 
 For each row, on docs/kl.md's examples, `peer_kl_grad` gives the exact expected gradient of the KL term per unit
 coefficient (the sum over the vocabulary, no sampling): (a) on-policy, example A; (b) after the first optimizer
@@ -22,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.kl.estimators import kl_penalty
 from lab.theory.advantage_models import AdvantageModel
 from lab.theory.expectations import (
     OFF_POLICY_EXAMPLES,
@@ -62,8 +63,9 @@ SOURCES: dict[str, Source] = {
 @dataclass(frozen=True)
 class PeerDefault:
     """One framework setting: `estimator` is this module's name (kl_penalty), `placement` one of PLACEMENTS,
-    `correction` one of CORRECTIONS (the module docstring), `kl_coef` the coefficient that setting uses and
-    `default_on` whether the framework's default configuration has this term on at all. `advantage` is the
+    `correction` one of CORRECTIONS and `clamp` the bound on the weighted term or None (the module docstring),
+    `kl_coef` the coefficient that setting uses and `default_on` whether the framework's default configuration
+    has this term on at all. `advantage` is the
     advantage estimator its policy gradient uses by default, as lab.theory.advantage_models models it (None where
     none models it), read in `advantage_files`."""
 
@@ -76,6 +78,7 @@ class PeerDefault:
     correction: str
     default_on: bool
     notes: str
+    clamp: float | None
     advantage: AdvantageModel | None = None
     advantage_files: tuple[str, ...] = ()
     advantage_notes: str = ""
@@ -89,6 +92,7 @@ PEERS: tuple[PeerDefault, ...] = (
         "k3", "loss", 0.001, "none", False,
         "use_kl_loss is off in the config; the GRPO examples turn it on with these values. The rollout-correction "
         "weights reach only the policy loss.",
+        clamp=10.0,
         advantage=AdvantageModel("grpo", 5),
         advantage_files=("verl/trainer/config/ppo_trainer.yaml:74-77",
                          "verl/trainer/ppo/core_algos.py:268-330",
@@ -101,6 +105,7 @@ PEERS: tuple[PeerDefault, ...] = (
         ("verl/trainer/config/ppo_trainer.yaml:98-113", "verl/trainer/ppo/ray_trainer.py:78-110"),
         "k1", "reward", 0.001, "none", False,
         "fixed controller; computed from old_log_probs; the PPO (gae) examples leave both KLs off.",
+        clamp=None,
         advantage=AdvantageModel("gae"), advantage_files=("verl/trainer/config/ppo_trainer.yaml:74-77",),
         advantage_notes="adv_estimator defaults to gae, whitened."),
     PeerDefault(
@@ -113,6 +118,7 @@ PEERS: tuple[PeerDefault, ...] = (
         "exp(logp - old_logp), with old_logp = logp.detach() under the defaults (num_iterations=1, one generation "
         "per optimizer step), which are on-policy; importance_sampling_level='sequence' puts a sequence-mean "
         "ratio there instead.",
+        clamp=None,
         advantage=AdvantageModel("grpo", 8),
         advantage_files=("trl/trainer/grpo_config.py:474-480,779-790",
                          "trl/trainer/grpo_trainer.py:2687-2707"),
@@ -124,6 +130,7 @@ PEERS: tuple[PeerDefault, ...] = (
         ("trl/trainer/grpo_config.py:179-182,359-362", "trl/trainer/grpo_trainer.py:3069-3076,3121"),
         "k3", "loss", 0.001, "none", False,
         "the default at this commit and before PR #6503; k3 written without clamps.",
+        clamp=None,
         advantage=AdvantageModel("grpo", 8),
         advantage_notes="as in the row above."),
     PeerDefault(
@@ -131,6 +138,7 @@ PEERS: tuple[PeerDefault, ...] = (
         ("trl/trainer/rloo_config.py:494-495", "trl/trainer/rloo_trainer.py:1526-1535"),
         "k1", "reward", 0.05, "none", True,
         "the per-sequence sum of k1 from old_per_token_logps, subtracted from the sequence reward.",
+        clamp=None,
         advantage=AdvantageModel("rloo", 2), advantage_files=("trl/trainer/rloo_config.py:297-303,523-526",),
         advantage_notes="num_generations defaults to 2, normalize_advantages to False."),
     PeerDefault(
@@ -138,6 +146,7 @@ PEERS: tuple[PeerDefault, ...] = (
         ("trl/experimental/ppo/ppo_config.py:240-252", "trl/experimental/ppo/ppo_trainer.py:773-775"),
         "k1", "reward", 0.05, "none", True,
         "kl_estimator='k3' is the other choice; per-token penalty from the rollout's log-probs.",
+        clamp=None,
         advantage=AdvantageModel("gae"), advantage_files=("trl/experimental/ppo/ppo_trainer.py:786-797",),
         advantage_notes="GAE, whitened (masked_whiten, + 1e-8)."),
     PeerDefault(
@@ -146,6 +155,7 @@ PEERS: tuple[PeerDefault, ...] = (
          "openrlhf/models/utils.py:64-111", "openrlhf/trainer/ppo_trainer.py:171-176"),
         "k1", "reward", 0.01, "none", True,
         "from the rollout's log-probs; fixed unless --algo.kl.target is set; every estimator clamped to [-10, 10].",
+        clamp=10.0,
         advantage=AdvantageModel("gae"),
         advantage_files=("openrlhf/cli/train_ppo_ray.py:477-483",
                          "openrlhf/trainer/ppo_utils/experience_maker.py:314-328"),
@@ -155,6 +165,7 @@ PEERS: tuple[PeerDefault, ...] = (
         ("openrlhf/cli/train_ppo_ray.py:422-429,485,683-685", "openrlhf/trainer/ray/ppo_actor.py:319-337"),
         "k1", "loss", 0.01, "none", False,
         "a printed hint recommends k2 or k3 as a loss; the example script passes k2.",
+        clamp=10.0,
         advantage=AdvantageModel("gae"),
         advantage_notes="the default gae."),
     PeerDefault(
@@ -164,6 +175,7 @@ PEERS: tuple[PeerDefault, ...] = (
         "k3", "loss", 0.01, "unit", True,
         "the weight exp(logp - logp.detach()) since NeMo-RL PR #2506 (2026-06-24; a constant 1 before): per sample "
         "its gradient is k2's, since k3 + k3' = d. The PPO recipe (ppo_math_1B.yaml:67) sets the coefficient to 0.",
+        clamp=10.0,
         advantage=None,
         advantage_files=("examples/configs/grpo_math_1B.yaml:4-9",
                          "nemo_rl/algorithms/advantage_estimator.py:80-98", "nemo_rl/algorithms/utils.py:149-194"),
@@ -176,6 +188,7 @@ PEERS: tuple[PeerDefault, ...] = (
         "k3", "loss", 0.01, "rho", False,
         "rho = exp(logp - generation_logp) against the sampler's log-probs, unclipped (nan_to_num); detached "
         "before PR #2506.",
+        clamp=10.0,
         advantage=None,
         advantage_notes="as in the row above."),
     PeerDefault(
@@ -184,6 +197,7 @@ PEERS: tuple[PeerDefault, ...] = (
          "nemo_rl/algorithms/advantage_estimator.py:193-255,384-393"),
         "k3", "reward", 0.01, "none", False,
         "the reward uses reference_policy_kl_type, k3 unless changed.",
+        clamp=10.0,
         advantage=None,
         advantage_notes="Reinforce++ is not modelled here."),
     PeerDefault(
@@ -192,6 +206,7 @@ PEERS: tuple[PeerDefault, ...] = (
          "slime/utils/ppo_utils.py:11-51", "scripts/run-qwen3-4B.sh:91-95"),
         "k3", "loss", 0.0, "none", False,
         "the scripts pass --kl-loss-coef 0.00 (the default), so the term is computed and weighs nothing.",
+        clamp=10.0,
         advantage=AdvantageModel("grpo", 8),
         advantage_files=("slime/utils/arguments.py:941-951,1004-1009",
                          "slime/ray/rollout.py:612-631", "scripts/run-qwen3-4B.sh:58,92"),
@@ -203,6 +218,7 @@ PEERS: tuple[PeerDefault, ...] = (
         ("slime/utils/arguments.py:934-938,981-988", "slime/backends/megatron_utils/loss.py:1116-1130"),
         "k1", "loss", 0.0, "none", False,
         "--kl-loss-type defaults to k1; the coefficient to 0.0.",
+        clamp=None,
         advantage=AdvantageModel("grpo", 8),
         advantage_notes="as in the GRPO scripts."),
     PeerDefault(
@@ -211,6 +227,7 @@ PEERS: tuple[PeerDefault, ...] = (
          "slime/utils/ppo_utils.py:43-49"),
         "k3", "loss", 0.0, "rho", False,
         "rho = exp(logp - old_logp), unclipped; for low_var_kl the product is clamped to [-10, 10].",
+        clamp=10.0,
         advantage=AdvantageModel("grpo", 8),
         advantage_notes="as in the GRPO scripts."),
     PeerDefault(
@@ -219,6 +236,7 @@ PEERS: tuple[PeerDefault, ...] = (
          "slime/utils/ppo_utils.py:361-368"),
         "k1", "reward", 0.0, "none", False,
         "the reward KL uses --kl-loss-type (k1 by default); the grpo estimator ignores it.",
+        clamp=None,
         advantage=AdvantageModel("gae"),
         advantage_notes="ppo's (GAE, whitened); reinforce_plus_plus is not modelled here."),
     PeerDefault(
@@ -227,6 +245,7 @@ PEERS: tuple[PeerDefault, ...] = (
          "skyrl/backends/skyrl_train/workers/worker.py:1070-1080"),
         "k3", "loss", 0.001, "none", True,
         "use_kl_loss defaults to True; the GRPO and PPO examples keep it.",
+        clamp=10.0,
         advantage=AdvantageModel("grpo", 5),
         advantage_files=(
                          "skyrl/train/config/config.py:823,892-894,1225",
@@ -239,10 +258,24 @@ PEERS: tuple[PeerDefault, ...] = (
         ("skyrl/train/config/config.py:828-836", "skyrl/train/trainer.py:1410-1436"),
         "k3", "reward", 0.001, "none", False,
         "the reward uses kl_estimator_type, k3 unless changed.",
+        clamp=10.0,
         advantage=AdvantageModel("grpo", 5),
         advantage_notes="as in the default row."),
 
 )
+
+
+def _unclamped(estimator: str, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """The estimator's value as Schulman writes it, no clamp (kl_penalty's k3 carries verl's)."""
+    d = logprob - ref_logprob
+    return {"k1": d, "k2": d**2 / 2, "k3": torch.expm1(-d) + d}[estimator]
+
+
+def peer_term(peer: PeerDefault, logprob: torch.Tensor, ref_logprob: torch.Tensor, weight: torch.Tensor
+              ) -> torch.Tensor:
+    """The framework's per-token KL term: weight * k, clamped to [-peer.clamp, peer.clamp] where it clamps."""
+    term = weight * _unclamped(peer.estimator, logprob, ref_logprob)
+    return term if peer.clamp is None else term.clamp(-peer.clamp, peer.clamp)
 
 
 def peer_kl_grad(
@@ -251,9 +284,9 @@ def peer_kl_grad(
     """Expected gradient (V,) w.r.t. the policy logits of `peer`'s KL term per unit coefficient, exact over the
     vocabulary, for tokens sampled from old_probs (V,) or, if None, from pi = softmax(logits) itself.
 
-    The term is what the framework adds to the loss: c * k(x) for a loss-placed KL with weight c (CORRECTIONS),
+    The term is what the framework adds to the loss: peer_term with weight c for a loss-placed KL (CORRECTIONS),
     and rho(x) * sg(k_old(x)) for a reward-placed one (the policy-loss surrogate -rho * A with A = -k_old, rho in
-    the graph; k_old is k at the sampling policy, frozen at rollout).
+    the graph; k_old is the framework's k at the sampling policy, frozen at rollout).
     """
     if peer.placement not in PLACEMENTS or peer.correction not in CORRECTIONS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, correction one of {CORRECTIONS}: {peer}")
@@ -263,14 +296,14 @@ def peer_kl_grad(
     ratio = torch.exp(logprobs - sampler)  # pi / pi_old in the graph, 1 in value on-policy
     ref_logprobs = ref_probs.log()
     if peer.placement == "reward":
-        term = ratio * kl_penalty(sampler, ref_logprobs, peer.estimator).detach()
+        term = ratio * peer_term(peer, sampler, ref_logprobs, torch.ones_like(sampler)).detach()
     else:
         weight = {
             "none": torch.ones_like(logprobs),
             "rho": ratio,
             "unit": torch.exp(logprobs - logprobs.detach()),
         }[peer.correction]
-        term = weight * kl_penalty(logprobs, ref_logprobs, peer.estimator)
+        term = peer_term(peer, logprobs, ref_logprobs, weight)
     (grad,) = torch.autograd.grad((sampler.exp() * term).sum(), leaf)
     return grad
 
@@ -289,19 +322,19 @@ def verdict(grad: torch.Tensor, logits: torch.Tensor, ref_probs: torch.Tensor, a
     return f"biased, cos={cos.item():.4f}, norm x{(grad.norm() / target.norm()).item():.2f}"
 
 
-def on_policy_equivalent(peer: PeerDefault) -> tuple[str, str]:
-    """(estimator, placement) with the same on-policy expected gradient as `peer`, for bandit_fixed_point.
+def on_policy_value(peer: PeerDefault):
+    """`peer`'s term on-policy as a value function (logprob, ref_logprob) -> k for lab.theory.fixed_points:
+    in the reward its value; in the loss with its weight, whose value is 1 on-policy (rho and unit alike are
+    exp(lp - sg(lp)) there) and whose gradient adds k grad log pi, the clamp applied after the weight. Unclamped,
+    rho- and unit-weighted k3 and k1 have k2's per-sample gradient (k3 + k3' = d, k1 + k1' = d + 1); a weighted
+    term past its clamp has none. It stays a loss term, outside the advantage: an advantage estimator that
+    rescales the policy gradient (grpo's std) leaves it as it is."""
+    def value(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+        weighted = peer.placement == "loss" and peer.correction != "none"
+        weight = torch.exp(logprob - logprob.detach()) if weighted else torch.ones_like(logprob)
+        return peer_term(peer, logprob, ref_logprob, weight)
 
-    rho and unit weights add the reward-placement gradient to the loss one, i.e. grad E_pi[k], per sample
-    (k + k') grad log pi; for an unbiased value (k1, k3) that is grad KL(pi || ref) (k3 + k3' = d, k1 + k1' = d + 1),
-    which k2 in the loss also gives. It stays a loss term, outside the advantage: an advantage estimator that
-    rescales the policy gradient (grpo's std) leaves it as it is. Raises for other estimators.
-    """
-    if peer.placement == "reward" or peer.correction == "none":
-        return peer.estimator, peer.placement
-    if peer.estimator in ("k1", "kl", "k3", "low_var_kl"):
-        return "k2", "loss"
-    raise ValueError(f"no on-policy equivalent for {peer.estimator} with weight {peer.correction!r}")
+    return value
 
 
 # The bandit for the fixed-point column: example A's reference (uniform over 4 arms), rewards and coefficient.
@@ -318,9 +351,9 @@ def bandit() -> tuple[torch.Tensor, torch.Tensor, float]:
 
 
 def peer_fixed_point(peer: PeerDefault, with_advantage: bool = False) -> torch.Tensor:
-    """Where `peer`'s setting stops on bandit() (K,): bandit_fixed_point of its on_policy_equivalent, with the
+    """Where `peer`'s setting stops on bandit() (K,): bandit_fixed_point of its on_policy_value, with the
     idealised advantage or, if `with_advantage`, with peer.advantage (raises ValueError where that is None)."""
-    estimator, placement = on_policy_equivalent(peer)
+    estimator, placement = on_policy_value(peer), peer.placement
     ref_probs, rewards, beta = bandit()
     if not with_advantage:
         return bandit_fixed_point(ref_probs, rewards, beta, estimator, placement)
@@ -375,15 +408,16 @@ def peer_report() -> str:
     """The markdown table of PEERS with the computed cells, what the cells mean, then the sources and files."""
     pi_old = OFF_POLICY_EXAMPLES["C"][1]
     lines = [
-        "| framework | setting | on by default | estimator, placement | coef | weight | on-policy (A) "
+        "| framework | setting | on by default | estimator, placement | coef | weight | clamp | on-policy (A) "
         "| after the first step (C) | bandit fixed point | with its advantage estimator |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for peer in PEERS:
         cells = peer_cells(peer)
         lines.append(
             f"| {peer.framework} | {peer.setting} | {'yes' if peer.default_on else 'no'} "
-            f"| {peer.estimator}, {peer.placement} | {peer.kl_coef:g} | {peer.correction} | {cells['on_policy']} "
+            f"| {peer.estimator}, {peer.placement} | {peer.kl_coef:g} | {peer.correction} "
+            f"| {'none' if peer.clamp is None else f'{peer.clamp:g}'} | {cells['on_policy']} "
             f"| {cells['off_policy']} | {cells['fixed_point']} | {cells['with_advantage']} |"
         )
     lines += [

@@ -14,8 +14,9 @@ targets the reverse KL(pi || pi_ref) = E_{x~pi}[d]. Names are verl's, which user
 
 `E[loss gradient]` is on-policy; `rho` is how kl_penalty weights the term off-policy (below; `full` sums
 over the vocabulary, so it needs no weight). k3's value is clamped to 10 where d < -2.61087 or d > 10.99998
-(verl's clamp, K3_CLAMP_EDGES): there the value is flat, so such a token adds nothing to k3's loss gradient,
-and in the reward its value is the constant 10. k3 is unbiased only where pi's support holds all of ref's
+(verl's clamp, K3_CLAMP_EDGES): there the value is flat, so a sample past an edge adds nothing to k3's loss
+gradient (its logit still moves, through the softmax, with the other samples' terms), and in the reward its
+value is the constant 10. k3 is unbiased only where pi's support holds all of ref's
 mass (not under top-k/top-p sampling).
 
 In the reward (detached log-probs) `X+` is the same as `X`; only k1 there gives grad KL(pi || ref). `full` in
