@@ -38,11 +38,11 @@ _OFF_POLICY: dict[Estimator, str] = {}
 
 def register_estimator(name: str, *aliases: str, off_policy: str = DETACHED) -> Callable[[Estimator], Estimator]:
     """Register a base estimator `(logprob, ref_logprob) -> same shape` under `name` and its aliases (not `full`,
-    nor a name ending in `+`, the straight-through form). `off_policy` is how kl_penalty weights it on tokens sampled from pi_old (one of OFF_POLICY_RULES):
-    IN_GRAPH only for an estimator with E_{x~pi}[value] == KL(pi || ref) for every pi and no clamp, since the
-    gradient of E_old[rho X] = E_pi[X] is then exactly grad KL(pi || ref); DETACHED keeps the estimator's
-    on-policy expected gradient; AS_PLUS gives grad KL(pi || ref) by k2's gradient.
-    """
+    nor a name ending in `+`, the straight-through form). `off_policy` is how kl_penalty weights it on tokens
+    sampled from pi_old (one of OFF_POLICY_RULES): IN_GRAPH only for an estimator with E_{x~pi}[value] ==
+    KL(pi || ref) for every pi and no clamp, since the gradient of E_old[rho X] = E_pi[X] is then exactly
+    grad KL(pi || ref); DETACHED keeps the estimator's on-policy expected gradient; AS_PLUS gives grad KL(pi ||
+    ref) by k2's gradient."""
     if off_policy not in OFF_POLICY_RULES:
         raise ValueError(f"off_policy {off_policy!r}; valid: {', '.join(OFF_POLICY_RULES)}")
 
@@ -150,7 +150,8 @@ class KLEstimator:
                  old_logprob: torch.Tensor | None = None) -> torch.Tensor:
         if self.needs_logits:
             if full_kl is None:
-                raise ValueError(f"KL estimator {self.name!r} needs full_kl, the exact per-token KL from both models' logits")
+                raise ValueError(f"KL estimator {self.name!r} needs full_kl, the exact per-token KL from both "
+                                 "models' logits")
             return full_kl
         for other_name, other in (("ref_logprob", ref_logprob), ("old_logprob", old_logprob)):
             if other is not None and other.shape != logprob.shape:
