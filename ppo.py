@@ -17,7 +17,7 @@ What this file leaves out, against the trainer:
 - critic-free advantages (grpo, rloo) and several responses per prompt (rollout.n); loss aggregations other
   than the token mean; the adaptive KL coefficient; lr schedules;
 - micro-batches (a mini-batch is one forward and backward), several processes (DDP, FSDP2), mixed precision,
-  the chunked float32 log-softmax (here the whole (B, R, V) float32 logits exist at once);
+  the chunked float32 log-softmax and exact KL (here the whole (B, R, V) float32 log-softmax exists at once);
 - the speed shortcuts for the old log-probs (the sampler's, or the update's own): here always a forward pass;
   its own decoding loop: this file samples with transformers' `generate`;
 - the KL panel (every estimator logged on the same batch) and most metrics, W&B, checkpoints and resuming,
@@ -112,13 +112,13 @@ def score(tokenizer, batch, answers):
 
 
 def forward(model, batch, temperature):
-    """The log-probs (B, R) of the response tokens under softmax(logits / temperature), and the logits (B, R, V)
-    that predict them (the position before each token)."""
+    """The log-probs (B, R) of the response tokens under softmax(logits / temperature), and the whole
+    log-softmax (B, R, V) they are read from (at the position before each token)."""
     num_response = batch["response_ids"].shape[1]
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"]).logits[:, -num_response - 1:-1]
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logprobs.gather(-1, batch["response_ids"][..., None])[..., 0], logits
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, batch["response_ids"][..., None])[..., 0], logp
 
 
 def values_of(critic, batch):
@@ -134,9 +134,9 @@ def rollout(args, actor, critic, ref, tokenizer, problems):
     log-probs (the actor's), the reference's, the exact per-token KL (for a `full` reward KL), the values."""
     batch = sequences(actor, tokenizer, problems["prompt"], args.max_response_length, args.temperature)
     batch["scores"] = score(tokenizer, batch, problems["answer"])
-    batch["old_logprobs"], logits = forward(actor, batch, args.temperature)
-    batch["ref_logprobs"], ref_logits = forward(ref, batch, args.temperature)
-    batch["full_kl"] = kl.full_kl(logits, ref_logits, args.temperature)  # sum_v pi log(pi / ref), per token
+    batch["old_logprobs"], logp = forward(actor, batch, args.temperature)
+    batch["ref_logprobs"], ref_logp = forward(ref, batch, args.temperature)
+    batch["full_kl"] = (logp.exp() * (logp - ref_logp)).sum(-1)  # the exact KL(pi || ref) per token: `full`
     batch["values"] = values_of(critic, batch)
     return batch
 
@@ -176,20 +176,19 @@ def losses(args, actor, critic, ref, mb):
         critic: 0.5 * max((V - R)^2, (clip(V, V_old +- cliprange_value) - R)^2)
     """
     mask, A = mb["response_mask"], mb["advantages"]
-    logprobs, logits = forward(actor, mb, args.temperature)
+    logprobs, logp = forward(actor, mb, args.temperature)
     ratio = torch.exp((logprobs - mb["old_logprobs"]).clamp(-20.0, 20.0))
     pg_losses = torch.maximum(-A * ratio, -A * ratio.clamp(1 - args.clip_ratio, 1 + args.clip_ratio))
     pg_losses = torch.where(A < 0, torch.minimum(pg_losses, -A * args.clip_ratio_c), pg_losses)  # dual clip
     actor_loss = masked_mean(pg_losses, mask)
     if args.entropy_coeff:
-        logp = torch.log_softmax(logits.float() / args.temperature, dim=-1)
         actor_loss = actor_loss - args.entropy_coeff * masked_mean(-(logp.exp() * logp).sum(-1), mask)
     if args.loss_kl:
         estimator, full = kl.parse_estimator(args.loss_kl), None
         if estimator.needs_logits:  # the exact KL, differentiated through the actor's logits
             with torch.no_grad():
-                ref_logits = forward(ref, mb, args.temperature)[1]
-            full = kl.full_kl(logits, ref_logits, args.temperature)
+                ref_logp = forward(ref, mb, args.temperature)[1]
+            full = (logp.exp() * (logp - ref_logp)).sum(-1)
         old = mb["old_logprobs"] if args.off_policy_correction else None  # rho = pi / pi_old, docs/kl.md
         kl_per_token = estimator(logprobs, mb["ref_logprobs"], full, old)
         actor_loss = actor_loss + args.loss_kl_coef * masked_mean(kl_per_token, mask)

@@ -33,7 +33,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from rlhf.rollout import SamplingParams, _decode, left_pad, next_token, paired_noise_generator  # noqa: E402
+from rlhf.rollout import SamplingParams, left_pad, next_token, paired_noise_generator  # noqa: E402
 
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
                     vocab_size=151_936, tie_word_embeddings=True)  # bench/recipe_memory.py's shape
@@ -87,13 +87,14 @@ def run(model, prompt_ids, prompt_mask, params, autocast: bool, reference: bool,
     start = time.perf_counter()
     with torch.inference_mode() if not autocast else torch.no_grad(), \
             torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-        if compiled:
-            tokens, _ = decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens,
-                                      lambda logits: next_token(logits, params, generator), params.temperature,
-                                      None, 0, generator, compiled=True)
+        pick = lambda logits: next_token(logits, params, generator)  # noqa: E731
+        if reference:
+            tokens, _ = decode.reference_decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick,
+                                                params.temperature, stop_ids, 0)
         else:
-            tokens, _ = _decode(model, prompt_ids, prompt_mask, params, stop_ids, 0, torch.all, generator,
-                                reference=reference)
+            tokens, _ = decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick, params.temperature,
+                                      None if compiled else stop_ids, 0, generator,
+                                      step_type=decode.CompiledStep if compiled else decode.Step)
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, tokens

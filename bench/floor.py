@@ -35,7 +35,8 @@ class FloorSide:
     def _load(self, model_dir: str, tokenizer, rows: list[list[int]], gpu: bool, with_critic: bool) -> None:
         """The models (`with_critic`: and the critic), their fused AdamW and the left-padded prompt rows."""
         from rlhf.models import load_causal_lm, load_critic
-        from rlhf.rollout import kv_cache_name, left_pad
+        from rlhf.decode import kv_cache_name
+        from rlhf.rollout import left_pad
 
         torch.manual_seed(SEED)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # where accelerate puts the other sides

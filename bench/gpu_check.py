@@ -28,7 +28,7 @@ reserved peaks, and the device-level peak, polled: what the CUDA context and the
   and the KV cache read once a token); the reference loop at one size;
 - memory_sweep: the PPO recipe's update on 32 of its responses at each actor.ppo_micro_batch_size of 1-32, with
   gradient checkpointing on and off: peak memory against the model (an out-of-memory is recorded, not fatal);
-- compiled_decoding: the compiled one-token step (`decode.decode(..., compiled=True)`, a CUDA graph) at batch
+- compiled_decoding: the compiled one-token step (`decode.decode(..., step_type=decode.CompiledStep)`, a CUDA graph) at batch
   256: its compile time, its per-token time beside the eager loop's, its greedy tokens against the eager ones;
 - checkpoint: the PPO recipe's checkpoint (float32 actor and critic, AdamW moments) written once: seconds, GiB;
 - cuda_tests: the tests marked `cuda` (tests/test_cuda.py), run in this process by pytest;
@@ -611,7 +611,8 @@ def decoding(result, args, model_dir: str, tokenizer, rows: Rows, report: Report
     import torch
 
     from rlhf.models import load_causal_lm
-    from rlhf.rollout import SamplingParams, _decode, left_pad
+    from rlhf import decode
+    from rlhf.rollout import SamplingParams, left_pad, next_token
 
     device = torch.device(args.device)
     model = load_causal_lm(model_dir, "float32").to(device).eval()
@@ -628,8 +629,9 @@ def decoding(result, args, model_dir: str, tokenizer, rows: Rows, report: Report
         sync(device)
         start = time.perf_counter()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            _decode(model, ids, mask, sampling, None, tokenizer.pad_token_id, torch.all, generator,
-                    reference=loop == "reference")
+            run = decode.reference_decode if loop == "reference" else decode.decode
+            run(model, ids, mask, new_tokens, lambda logits: next_token(logits, sampling, generator), 1.0, None,
+                tokenizer.pad_token_id)
         sync(device)
         return time.perf_counter() - start
 
@@ -678,7 +680,8 @@ def compiled_decoding(result, args, model_dir: str, tokenizer, rows: Rows, repor
         start = time.perf_counter()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
             out = decode.decode(model, ids, mask, new_tokens, lambda logits: next_token(logits, params), 1.0, None,
-                                tokenizer.pad_token_id, compiled=compiled)[0]
+                                tokenizer.pad_token_id,
+                                step_type=decode.CompiledStep if compiled else decode.Step)[0]
         sync(device)
         return out, time.perf_counter() - start
 

@@ -31,11 +31,8 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Sum of `x` over the positions where `mask` is set; over all dims if `dim` is None.
-
-    Masked-out entries are replaced by 0 with `torch.where`, not multiplied by the mask, so NaN * 0 = NaN
-    cannot leak from padding into the result.
-    """
+    """Sum of `x` over the positions where `mask` is set (over all dims if `dim` is None). Masked-out entries are
+    replaced by 0 with `torch.where`, not multiplied by the mask, so NaN * 0 = NaN cannot leak from padding."""
     x = torch.where(mask.bool(), x, torch.zeros_like(x))
     return x.sum() if dim is None else x.sum(dim)
 
@@ -47,12 +44,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of `x` over all valid positions (a scalar).
-
-    With `unbiased`, Bessel's correction n / (n - 1) is applied when n > 1 valid entries exist; with one
-    valid entry the (zero) biased variance is returned rather than dividing by zero, and an empty mask
-    gives 0.
-    """
+    """Variance of `x` over all valid positions (a scalar); `unbiased`: Bessel's correction n / (n - 1) where
+    n > 1 (one valid entry gives the biased 0, an empty mask 0)."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     if unbiased:
@@ -63,14 +56,9 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum = one_process,
                   shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Normalise `x` (B, T) to unit variance (and zero mean if `shift_mean`) using statistics of valid tokens
-    only: the mean and unbiased variance (as `masked_var`) of the valid tokens of every process, summed by
-    `reduce_sum` (rlhf.processes), so N processes whiten as one process holding the whole batch would (verl
-    whitens on the driver).
-
-    With `shift_mean=False` the original mean is added back, i.e. only the scale changes. Masked-out
-    positions are returned as 0.
-    """
+    """`x` (B, T) at zero mean (unless not `shift_mean`) and unit variance over the valid tokens of every process:
+    their mean and unbiased variance, summed by `reduce_sum` (rlhf.processes), so that N processes whiten as one
+    holding the whole batch would (verl whitens on the driver). Masked-out positions are returned as 0."""
     valid = mask.bool()
     total, count = reduce_sum(torch.stack([torch.where(valid, x, 0.0).sum(), valid.sum().to(x.dtype)]))
     mean = total / count.clamp(min=1)
@@ -115,28 +103,16 @@ def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl_per_toke
 
 
 @torch.no_grad()
-def compute_gae(
-    token_rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016) over response tokens.
-
-    Args: `token_rewards`, `values`, `response_mask` are (B, T); the reward at position t is the reward for
-    emitting token t (e.g. the KL penalty on every token plus the score on the last valid one).
-
-    Masked-out positions are treated as absent from the sequence, wherever they are: the recursion runs
-    over the valid tokens only, so the "next value" after the last valid token is 0 (the episode ends
-    there) and a masked token in the middle is skipped, linking the valid tokens on either side of it.
-    Rewards and values at masked-out positions are therefore ignored (NaN is fine there); a reward meant
-    for the episode must sit on a valid token.
+def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
+                lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over response tokens, all (B, T); the reward at t
+    is the reward for emitting token t (the KL penalty on every token, the score on the last valid one):
 
         delta_t = r_t + gamma * V_next(t) - V_t,   A_t = delta_t + gamma * lam * A_next(t)
 
-    Returns `(advantages, returns)`, both (B, T), with returns = advantages + values on valid tokens and
-    both 0 on masked-out ones. No whitening happens here (the "gae" estimator below whitens).
+    The recursion runs over the valid tokens only: after the last one the next value is 0 (the episode ends),
+    a masked token in the middle is skipped, and rewards and values at masked-out positions are ignored (NaN is
+    fine there). Returns (advantages, returns = advantages + values), 0 where masked; not whitened (`gae` is).
     """
     valid = response_mask.bool()
     num_seqs, num_steps = values.shape
@@ -157,21 +133,33 @@ def compute_gae(
 
 # name -> fn(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum)
 # -> (advantages, returns), all (B, T), the advantages final (gae's whitened over the processes that `reduce_sum`
-# sums over); verl's `algorithm.adv_estimator` names. Filled by @register_adv_estimator.
+# sums over); verl's `algorithm.adv_estimator` names.
 ADV_ESTIMATOR_REGISTRY = Registry("advantage estimator", "estimators")
-_CRITIC_FREE: set[str] = set()
 
 
-def register_adv_estimator(name: str, critic_free: bool = False):
-    """Register an advantage estimator; `critic_free` ones need no value model (values are ignored)."""
+@ADV_ESTIMATOR_REGISTRY.register("gae")
+def _gae_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
+    """GAE with the critic's values (`compute_gae`), the advantages whitened over the valid tokens of all
+    processes (`masked_whiten`), as verl does; the returns are GAE's."""
+    advantages, returns = compute_gae(token_rewards, values, response_mask, gamma, lam)
+    return masked_whiten(advantages, response_mask, reduce_sum), returns
 
-    def decorator(fn):
-        ADV_ESTIMATOR_REGISTRY.register(name)(fn)
-        if critic_free:
-            _CRITIC_FREE.add(name)
-        return fn
 
-    return decorator
+@ADV_ESTIMATOR_REGISTRY.register("grpo")
+def _grpo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
+    """(score - group mean) / (group std + 1e-6), or score - group mean without norm_by_std (Dr. GRPO). A group
+    never straddles processes, so nothing is reduced over them."""
+    return group_outcome_advantages(token_rewards, response_mask, group_ids, "grpo", norm_by_std)
+
+
+@ADV_ESTIMATOR_REGISTRY.register("rloo")
+def _rloo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
+    """score - mean of the group's other scores (within one process, as grpo)."""
+    return group_outcome_advantages(token_rewards, response_mask, group_ids, "rloo")
+
+
+ADV_ESTIMATORS = tuple(ADV_ESTIMATOR_REGISTRY)
+CRITIC_FREE = ("grpo", "rloo")  # the estimators that need no value model (their values are ignored)
 
 
 def check_adv_estimator(name: str) -> None:
@@ -181,31 +169,7 @@ def check_adv_estimator(name: str) -> None:
 
 def needs_critic(name: str) -> bool:
     """Whether advantage estimator `name` needs a value model (not critic-free); raises like check_adv_estimator."""
-    return ADV_ESTIMATOR_REGISTRY.check(name) not in _CRITIC_FREE
-
-
-@register_adv_estimator("gae")
-def _gae_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
-    """GAE with the critic's values (`compute_gae`), the advantages whitened over the valid tokens of all
-    processes (`masked_whiten`), as verl does; the returns are GAE's."""
-    advantages, returns = compute_gae(token_rewards, values, response_mask, gamma, lam)
-    return masked_whiten(advantages, response_mask, reduce_sum), returns
-
-
-@register_adv_estimator("grpo", critic_free=True)
-def _grpo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
-    """(score - group mean) / (group std + 1e-6), or score - group mean without norm_by_std (Dr. GRPO). A group
-    never straddles processes, so nothing is reduced over them."""
-    return group_outcome_advantages(token_rewards, response_mask, group_ids, "grpo", norm_by_std)
-
-
-@register_adv_estimator("rloo", critic_free=True)
-def _rloo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
-    """score - mean of the group's other scores (within one process, as grpo)."""
-    return group_outcome_advantages(token_rewards, response_mask, group_ids, "rloo")
-
-
-ADV_ESTIMATORS = tuple(ADV_ESTIMATOR_REGISTRY)
+    return ADV_ESTIMATOR_REGISTRY.check(name) not in CRITIC_FREE
 
 
 @torch.no_grad()
@@ -253,9 +217,19 @@ def group_outcome_advantages(
 
 # ------------------------------------------------------ Loss aggregation: (B, T) per-token losses -> scalar
 
-# name -> fn(loss_mat, mask, num_tokens, num_seqs, norm_len) -> scalar. Filled by @register_loss_agg.
+# name -> fn(loss_mat, mask, num_tokens, num_seqs, norm_len) -> scalar; actor.loss_agg_mode names.
 LOSS_AGG_REGISTRY = Registry("loss_agg_mode", "modes")
-register_loss_agg = LOSS_AGG_REGISTRY.register
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens=None, num_seqs=None,
+             norm_len=None) -> torch.Tensor:
+    """Aggregate a (B, T) per-token loss into a scalar by `mode` (one of LOSS_AGG_MODES: each says how).
+
+    For gradient accumulation, pass the whole mini-batch's `num_tokens` / `num_seqs` (and `norm_len`) when
+    aggregating a micro-batch, so that the micro-batch losses sum to the mini-batch's loss; by default they are
+    the micro-batch's own (a sequence with no valid token still counts in B).
+    """
+    return LOSS_AGG_REGISTRY[mode](loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
 
 def _divide(total: torch.Tensor, denominator) -> torch.Tensor:
@@ -265,85 +239,19 @@ def _divide(total: torch.Tensor, denominator) -> torch.Tensor:
     return total / max(denominator, 1)
 
 
-# The optional normalisers below exist for gradient accumulation: when the trainer passes the counts of the
-# whole batch (tokens, sequences), the losses of its micro-batches add up exactly to the whole-batch loss.
-
-
-@register_loss_agg("token-mean")
+@LOSS_AGG_REGISTRY.register("token-mean")
 def _agg_token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
     """Every valid token weighs the same: sum of token losses / number of valid tokens."""
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     return _divide(masked_sum(loss_mat, mask), num_tokens)
 
 
-@register_loss_agg("seq-mean-token-sum")
-def _agg_seq_mean_token_sum(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
-    """Sum token losses within each sequence, then average over sequences (long answers weigh more)."""
-    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
-    return _divide(masked_sum(loss_mat, mask, dim=-1).sum(), num_seqs)
-
-
-@register_loss_agg("seq-mean-token-mean")
-def _agg_seq_mean_token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
-    """Average token losses within each sequence, then over sequences (every sequence weighs the same)."""
-    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
-    return _divide(masked_mean(loss_mat, mask, dim=-1).sum(), num_seqs)
-
-
-@register_loss_agg("seq-mean-token-sum-norm")
-def _agg_seq_mean_token_sum_norm(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
-    """Sum of all token losses / (num_seqs * norm_len): a constant normaliser, so no length bias.
-
-    This is Dr. GRPO's fix (Liu et al. 2025, "Understanding R1-Zero-Like Training"); `norm_len` defaults to
-    T, the padded response length.
-    """
-    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
-    norm_len = loss_mat.shape[-1] if norm_len is None else norm_len
-    return _divide(masked_sum(loss_mat, mask), num_seqs * norm_len)
-
-
-LOSS_AGG_MODES = tuple(LOSS_AGG_REGISTRY)
-
-
-def check_loss_agg_mode(mode: str) -> None:
-    """Raise ValueError naming the valid modes if `mode` is not a registered aggregation mode."""
-    LOSS_AGG_REGISTRY.check(mode)
-
-
-def agg_loss(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    num_tokens=None,
-    num_seqs=None,
-    norm_len=None,
-) -> torch.Tensor:
-    """Aggregate a (B, T) per-token loss into a scalar according to `mode` (one of `LOSS_AGG_MODES`).
-
-    - token-mean: sum over valid tokens / `num_tokens` (default: valid tokens in `mask`)
-    - seq-mean-token-sum: sum over sequences of per-sequence token sums / `num_seqs` (default: B)
-    - seq-mean-token-mean: sum over sequences of per-sequence token means / `num_seqs` (default: B)
-    - seq-mean-token-sum-norm: sum over valid tokens / (`num_seqs` * `norm_len`) (defaults: B and T)
-
-    Pass the whole batch's `num_tokens` / `num_seqs` when aggregating a micro-batch, so that the micro-batch
-    losses sum to the whole-batch loss. A sequence with no valid token still counts in the default B.
-    """
-    return LOSS_AGG_REGISTRY[mode](loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
-
-
 # ----------------------------------------------------------------------------------------------- PPO losses
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, clip_ratio: float = 0.2, clip_ratio_c: float = 3.0,
+                loss_agg_mode: str = "token-mean", **agg_kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (Schulman et al. 2017) with dual clip (Ye et al. 2020), all (B, T) inputs.
 
         ratio = exp(logprobs - old_logprobs)
@@ -355,10 +263,9 @@ def policy_loss(
     taken the gradient is 0. The ratio is formed in float32 from the log-ratio clamped to [-20, 20], so
     exp cannot overflow.
 
-    `agg_kwargs` (num_tokens, num_seqs, norm_len) go to `agg_loss`. Metrics: `actor/pg_loss`,
-    `actor/pg_clipfrac` (fraction of valid tokens where the clipped term was taken), `actor/ppo_kl` (mean
-    of old_logprobs - logprobs, the k1 estimate of KL(old || new)), `actor/pg_clipfrac_lower` (fraction
-    where the dual clip was taken) and `actor/importance_ratio/mean|max` (of the ratio over valid tokens).
+    `agg_kwargs` (num_tokens, num_seqs, norm_len) go to `agg_loss`. Metrics, as verl's: the shares of valid tokens
+    where the clip (`actor/pg_clipfrac`) and the dual clip (`_lower`) were taken, `actor/ppo_kl` the k1 estimate
+    of KL(old || new).
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
@@ -387,23 +294,16 @@ def policy_loss(
     return loss, metrics
 
 
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    response_mask: torch.Tensor,
-    cliprange_value: float | None = 0.2,
-    loss_agg_mode: str = "token-mean",
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
+               cliprange_value: float | None = 0.2, loss_agg_mode: str = "token-mean",
+               **agg_kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss, all (B, T) inputs: 0.5 * max((v - R)^2, (clip(v, v_old ± eps) - R)^2).
 
     The clip keeps the critic within `cliprange_value` of the values it had at rollout time, as in the
     original PPO code (openai/baselines ppo2); `cliprange_value=None` disables it. Metrics:
     `critic/vf_loss`, `critic/vf_clipfrac` (fraction of valid tokens where the clipped term was taken).
     """
-    values = values.float()
-    returns = returns.float()
+    values, returns = values.float(), returns.float()
     unclipped = (values - returns) ** 2
     if cliprange_value is None:
         clipped = unclipped
@@ -422,6 +322,43 @@ def value_loss(
             "critic/vf_clipfrac": masked_mean((clipped > unclipped).float(), response_mask).item(),
         }
     return loss, metrics
+
+
+# ------------------------------------------------------------- The other aggregation modes (actor.loss_agg_mode)
+
+
+@LOSS_AGG_REGISTRY.register("seq-mean-token-sum")
+def _agg_seq_mean_token_sum(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
+    """Sum token losses within each sequence, then average over sequences (long answers weigh more)."""
+    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
+    return _divide(masked_sum(loss_mat, mask, dim=-1).sum(), num_seqs)
+
+
+@LOSS_AGG_REGISTRY.register("seq-mean-token-mean")
+def _agg_seq_mean_token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
+    """Average token losses within each sequence, then over sequences (every sequence weighs the same)."""
+    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
+    return _divide(masked_mean(loss_mat, mask, dim=-1).sum(), num_seqs)
+
+
+@LOSS_AGG_REGISTRY.register("seq-mean-token-sum-norm")
+def _agg_seq_mean_token_sum_norm(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=None):
+    """Sum of all token losses / (num_seqs * norm_len): a constant normaliser, so no length bias.
+
+    This is Dr. GRPO's fix (Liu et al. 2025, "Understanding R1-Zero-Like Training"); `norm_len` defaults to
+    T, the padded response length.
+    """
+    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
+    norm_len = loss_mat.shape[-1] if norm_len is None else norm_len
+    return _divide(masked_sum(loss_mat, mask), num_seqs * norm_len)
+
+
+LOSS_AGG_MODES = tuple(LOSS_AGG_REGISTRY)
+
+
+def check_loss_agg_mode(mode: str) -> None:
+    """Raise ValueError naming the valid modes if `mode` is not a registered aggregation mode."""
+    LOSS_AGG_REGISTRY.check(mode)
 
 
 # ------------------------------------------------------------------------ Log-probs and entropy from logits
@@ -504,9 +441,7 @@ class _Entropy(torch.autograd.Function):
         return grad_logits, None
 
 
-def logprobs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature) at `labels`: (B, T, V) any float dtype, (B, T) -> (B, T) float32.
 
     Equal to `log_softmax(logits.float() / temperature).gather(-1, labels)` without a float32 (B, T, V) tensor,

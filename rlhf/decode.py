@@ -1,13 +1,13 @@
-"""The sampler's decoding loop over a static KV cache, without a host synchronisation per token.
+"""The sampler's decoding loops: over a static KV cache, without a host synchronisation per token (`decode`), and
+the reference loop, a forward pass of the model per token (`reference_decode`).
 
     tokens, logprobs = decode(model, prompt_ids, prompt_mask, max_new_tokens, pick, temperature, stop_ids,
                               pad_token_id, generator, keep_logprobs)
 
-`rlhf.rollout` hands its loop here for the models `supports` accepts (Qwen2 and Llama causal LMs, the embedded
-default's and the recipes' kind, unsharded, with transformers' SDPA attention), and keeps its own loop, which
-calls `model(...)` for every token, as the reference and for everything else (FSDP2-sharded models, other
-architectures). The two give the same tokens and the same log-probs under the same noise
-(tests/test_decode.py); what differs is how a token's forward pass is run:
+`rlhf.rollout.generate` runs `decode` for the models `supports` accepts (Qwen2 and Llama causal LMs, the embedded
+default's and the recipes' kind, unsharded, with transformers' SDPA attention), and `reference_decode` for
+everything else (FSDP2-sharded models, other architectures). The two give the same tokens and the same log-probs
+under the same noise (tests/test_decode.py); what differs is how a token's forward pass is run:
 
 - the prompts' forward pass is the model's own (so the first token is computed exactly as before); its keys and
   values are copied once into a static cache of (B, KV heads, prompt + max_new_tokens, head dim) per layer, in
@@ -26,8 +26,8 @@ architectures). The two give the same tokens and the same log-probs under the sa
 `cache_kept(model)`, around both loops in rlhf.rollout.generate, keeps layers that checkpoint their activations
 from dropping the cache while decoding (transformers before 5.2x drops it in such layers even without gradients).
 
-`compiled=True` runs the one-token step through `torch.compile` over full-length (static-shape) attention with a
-mask; on CUDA in "reduce-overhead" mode, which replays it as a CUDA graph. Its tokens agree with the eager
+`step_type=CompiledStep` runs the one-token step through `torch.compile` over full-length (static-shape) attention
+with a mask; on CUDA in "reduce-overhead" mode, which replays it as a CUDA graph. Its tokens agree with the eager
 step's up to float rounding, not bit for bit (the attention reads the whole cache). The trainer uses the eager
 step; bench/gpu_check.py measures both on a GPU, and bench/decode_speed.py on the CPU.
 """
@@ -35,6 +35,7 @@ step; bench/gpu_check.py measures both on a GPU, and bench/decode_speed.py on th
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 
@@ -43,7 +44,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from rlhf.core_algos import logprobs_from_logits
 
-ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")  # the decoder-layer structure `_step` runs
+ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")  # the decoder-layer structure `Step` runs
 STOP_CHECK_EVERY = 8  # tokens between two host reads of "has every sequence stopped?"
 
 
@@ -109,11 +110,12 @@ def few_threads(model, batch_size: int):
 
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick, temperature: float,
            stop_ids: tuple[int, ...] | None, pad_token_id: int, generator: torch.Generator | None = None,
-           keep_logprobs: bool = False, compiled: bool = False, check_every: int = STOP_CHECK_EVERY):
+           keep_logprobs: bool = False, step_type: type[Step] | None = None, check_every: int = STOP_CHECK_EVERY):
     """(B, max_new_tokens) tokens, pad after a sequence's stop token and for every sequence once all have
     stopped; with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at `temperature` (0 after the stop
     of all), else None. `pick((B, V) logits) -> (B,) tokens` draws a token (rlhf.rollout.next_token), its noise
-    from `generator` or the global random state of the logits' device; `stop_ids` None samples every token."""
+    from `generator` or the global random state of the logits' device; `stop_ids` None samples every token.
+    `step_type` runs each later token: Step (None), or CompiledStep (the benchmarks')."""
     batch_size, prompt_width = prompt_ids.shape
     device = prompt_ids.device
     position_ids = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # counted over real tokens (rollout's rule)
@@ -126,12 +128,9 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_t
     cache = StaticCache(prompt_cache, prompt_width + max_new_tokens)
     logits = out.logits[:, -1]
     del out, prompt_cache
-    # Row i attends to its real prompt tokens and everything sampled; None where no row is padded, as
-    # transformers passes it then (SDPA without a mask).
-    padded = not bool(prompt_mask.all())
+    # Row i attends to its real prompt tokens and everything sampled.
     attend = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch_size, max_new_tokens, dtype=torch.bool)], dim=1)
-    attend = attend[:, None, None, :]  # (B, 1, 1, P + R)
-    step = Step(model, cache, attend if padded or compiled else None, compiled)
+    step = (step_type or Step)(model, cache, attend[:, None, None, :])  # (B, 1, 1, P + R)
     last_position = position_ids[:, -1]
 
     tokens = torch.full((batch_size, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -139,8 +138,11 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_t
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     stop = None if stop_ids is None else torch.tensor(stop_ids, dtype=torch.long, device=device)
     all_stopped_at = torch.full((), -1, dtype=torch.long, device=device)  # the first t after which all had stopped
-    noise = NoiseState(generator, device)
-    window_start, saved = 0, noise.get()
+    if generator is None:  # the global random state `pick` draws from
+        generator = (torch.default_generator if device.type == "cpu"
+                     else torch.cuda.default_generators[device.index if device.index is not None
+                                                        else torch.cuda.current_device()])
+    window_start, saved = 0, generator.get_state()
     for t in range(max_new_tokens):
         token = pick(logits)
         if keep_logprobs:  # of the unfiltered softmax(logits / T): what the trainer's forward pass computes
@@ -150,45 +152,22 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_t
             finished |= torch.isin(token, stop)
             all_stopped_at = torch.where((all_stopped_at < 0) & finished.all(), t, all_stopped_at)
         tokens[:, t] = token
-        if t + 1 == max_new_tokens:
-            break
-        if stop is not None and (t + 1) % check_every == 0:
-            stopped_at = int(all_stopped_at)  # the host read: every check_every tokens
+        last = t + 1 == max_new_tokens
+        if stop is not None and (last or (t + 1) % check_every == 0):
+            stopped_at = int(all_stopped_at)  # the host read: every check_every tokens, and after the last
             if stopped_at >= 0:
-                noise.replay(saved, stopped_at - window_start + 1, pick, logits)
+                # The reference loop draws nothing after the stop: rewind the noise to the window's start, and
+                # draw again (on logits of the same shape) only what it drew up to the stop.
+                generator.set_state(saved)
+                for _ in range(stopped_at - window_start + 1):
+                    pick(torch.zeros_like(logits))
                 if keep_logprobs:
                     logprobs[:, stopped_at + 1:] = 0
-                return tokens, logprobs
-            window_start, saved = t + 1, noise.get()
-        logits = step(token, last_position + t + 1, prompt_width + t)
-    if stop is not None:
-        stopped_at = int(all_stopped_at)
-        if 0 <= stopped_at < max_new_tokens - 1:  # stopped inside the last, unchecked window
-            noise.replay(saved, stopped_at - window_start + 1, pick, logits)
-            if keep_logprobs:
-                logprobs[:, stopped_at + 1:] = 0
+                break
+            window_start, saved = t + 1, generator.get_state()
+        if not last:
+            logits = step(token, last_position + t + 1, prompt_width + t)
     return tokens, logprobs
-
-
-class NoiseState:
-    """The random state `pick` draws from (the generator, or the device's global one), saved and rewound."""
-
-    def __init__(self, generator: torch.Generator | None, device: torch.device):
-        if generator is None:
-            generator = (torch.default_generator if device.type == "cpu"
-                         else torch.cuda.default_generators[device.index if device.index is not None
-                                                            else torch.cuda.current_device()])
-        self.generator = generator
-
-    def get(self) -> torch.Tensor:
-        return self.generator.get_state()
-
-    def replay(self, state: torch.Tensor, num_draws: int, pick, logits: torch.Tensor) -> None:
-        """Rewind to `state`, then draw `num_draws` tokens' noise again (on logits of the same shape): where the
-        reference loop, which stops at once, leaves the random state."""
-        self.generator.set_state(state)
-        for _ in range(num_draws):
-            pick(torch.zeros_like(logits))
 
 
 class StaticCache:
@@ -211,32 +190,24 @@ class StaticCache:
 class Step:
     """One token's forward pass over the static cache: (B,) tokens, (B,) positions, the cache slot -> (B, V)
     logits. The layers' own modules, in transformers' order (Qwen2DecoderLayer.forward, Qwen2Attention.forward,
-    sdpa_attention_forward)."""
+    sdpa_attention_forward). `attend` (B, 1, 1, P + R): which cache slots each row attends to."""
 
-    def __init__(self, model, cache: StaticCache, attend: torch.Tensor | None, compiled: bool):
-        self.model, self.cache, self.attend, self.compiled = model, cache, attend, compiled
+    def __init__(self, model, cache: StaticCache, attend: torch.Tensor):
+        self.model, self.cache = model, cache
+        self.attend = None if bool(attend.all()) else attend  # no row padded: SDPA without a mask, as transformers
         attention = model.model.layers[0].self_attn
-        self.head_dim = attention.head_dim
-        self.groups = attention.num_key_value_groups
+        self.head_dim, self.groups = attention.head_dim, attention.num_key_value_groups
         self.rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
-        self.forward = self._forward
-        if compiled:
-            # The cache is written in place at every step: static addresses, so that a CUDA graph may own them
-            # (gpt-fast's KV cache is a module buffer for the same reason).
-            for tensor in (*cache.keys, *cache.values):
-                torch._dynamo.mark_static_address(tensor)
-            mode = "reduce-overhead" if cache.keys[0].device.type == "cuda" else None
-            self.forward = torch.compile(self._forward, mode=mode, dynamic=False)
-            self.slots = torch.arange(cache.length, device=cache.keys[0].device)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, slot: int) -> torch.Tensor:
-        if not self.compiled:
-            return self.forward(token, position, slot, slot + 1, self.attend)
-        # Static shapes: the slot as a tensor, attention over the whole cache, the unwritten slots masked.
-        slot = torch.full((1,), slot, device=token.device)
-        return self.forward(token, position, slot, self.cache.length, self.attend & (self.slots <= slot))
+        return self.forward(token, position, slot, slot + 1, self.attend)
 
-    def _forward(self, token, position, slot, length: int, attend):
+    @staticmethod
+    def write(cache: torch.Tensor, slot, new: torch.Tensor) -> None:
+        """The new (B, KV heads, 1, D) key or value into its slot of the cache."""
+        cache[:, :, slot] = new[:, :, 0]
+
+    def forward(self, token, position, slot, length: int, attend):
         model, cache = self.model.model, self.cache
         batch_size = token.shape[0]
         hidden = model.embed_tokens(token[:, None])  # (B, 1, H)
@@ -250,12 +221,8 @@ class Step:
             key = attention.k_proj(hidden).view(shape).transpose(1, 2)  # (B, KV heads, 1, D)
             value = attention.v_proj(hidden).view(shape).transpose(1, 2)
             query, key = self.rotate(query, key, cos, sin)
-            if self.compiled:  # index_copy_ does not convert: under autocast on 5.17 the cache's values are float32
-                keys.index_copy_(2, slot, key.to(keys.dtype))
-                values.index_copy_(2, slot, value.to(values.dtype))
-            else:
-                keys[:, :, slot] = key[:, :, 0]
-                values[:, :, slot] = value[:, :, 0]
+            self.write(keys, slot, key)
+            self.write(values, slot, value)
             # The grouped heads as the query length: (B, KV heads, groups, D) against the cache as it is.
             query = query.reshape(batch_size, -1, self.groups, self.head_dim)
             out = torch.nn.functional.scaled_dot_product_attention(
@@ -266,3 +233,75 @@ class Step:
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(model.norm(hidden))[:, -1]
+
+
+# ----------------------------------------------------------------------------- off the trainer's path
+
+
+class CompiledStep(Step):
+    """Step through `torch.compile` over full-length (static-shape) attention with a mask; on CUDA in
+    "reduce-overhead" mode, which replays it as a CUDA graph. For the benchmarks (bench/gpu_check.py,
+    bench/decode_speed.py): the trainer decodes with Step."""
+
+    def __init__(self, model, cache: StaticCache, attend: torch.Tensor):
+        super().__init__(model, cache, attend)
+        self.attend = attend  # always: the attention reads the whole cache, the unwritten slots masked
+        # The cache is written in place at every step: static addresses, so that a CUDA graph may own them
+        # (gpt-fast's KV cache is a module buffer for the same reason).
+        for tensor in (*cache.keys, *cache.values):
+            torch._dynamo.mark_static_address(tensor)
+        mode = "reduce-overhead" if cache.keys[0].device.type == "cuda" else None
+        self.compiled = torch.compile(self.forward, mode=mode, dynamic=False)
+        self.slots = torch.arange(cache.length, device=cache.keys[0].device)
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor, slot: int) -> torch.Tensor:
+        slot = torch.full((1,), slot, device=token.device)  # static shapes: the slot as a tensor
+        return self.compiled(token, position, slot, self.cache.length, self.attend & (self.slots <= slot))
+
+    @staticmethod
+    def write(cache: torch.Tensor, slot, new: torch.Tensor) -> None:
+        # index_copy_ does not convert: under autocast on 5.17 the cache's values are float32
+        cache.index_copy_(2, slot, new.to(cache.dtype))
+
+
+def kv_cache_name(model) -> str:
+    """The name of the KV cache in `model`'s forward arguments and outputs: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name goes in 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def reference_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick,
+                     temperature: float, stop_ids: tuple[int, ...] | None, pad_token_id: int,
+                     keep_logprobs: bool = False, all_finished=torch.all):
+    """`decode`'s tokens and log-probs by a forward pass of the model per token over its own KV cache, the stop
+    read after every token: what rlhf.rollout.generate runs for the models `supports` refuses, and the
+    reference tests/test_decode.py holds `decode` to. `all_finished((B,) bool finished) -> bool` may widen
+    "every sequence has stopped" to other processes' too (rlhf.processes.stop_rule)."""
+    batch_size, prompt_width = prompt_ids.shape
+    # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
+    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, max_new_tokens)], dim=1)
+    position_ids = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    cache_name = kv_cache_name(model)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
+                use_cache=True, logits_to_keep=1)
+    if getattr(out, cache_name, None) is None:
+        raise RuntimeError(f"{type(model).__name__} returned no KV cache; generation needs use_cache=True "
+                           "(gradient checkpointing in train mode turns it off)")
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
+    tokens, logprobs = [], []
+    for t in range(max_new_tokens):
+        token = pick(out.logits[:, -1])
+        if keep_logprobs:  # of the unfiltered softmax(logits / T): what the trainer's forward pass computes
+            logprobs.append(logprobs_from_logits(out.logits[:, -1:], token[:, None], temperature)[:, 0])
+        if stop_ids is not None:
+            token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's stop token
+            finished |= torch.isin(token, torch.tensor(stop_ids, dtype=token.dtype, device=token.device))
+        tokens.append(token)
+        if t + 1 == max_new_tokens or (stop_ids is not None and all_finished(finished)):
+            break
+        out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :prompt_width + t + 1],
+                    position_ids=position_ids[:, -1:] + t + 1, use_cache=True,
+                    **{cache_name: getattr(out, cache_name)})
+    width = max_new_tokens - len(tokens)
+    response_ids = torch.nn.functional.pad(torch.stack(tokens, dim=1), (0, width), value=pad_token_id)
+    return response_ids, torch.nn.functional.pad(torch.stack(logprobs, dim=1), (0, width)) if keep_logprobs else None

@@ -5,7 +5,7 @@ The advantage estimators and the loss aggregation modes (rlhf.core_algos) and th
 (rlhf.kl.estimators) are each one Registry.
 """
 
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 
 def unknown_name_error(kind: str, name, valid: Iterable[str], plural: str = "names", note: str = "") -> ValueError:
@@ -20,41 +20,35 @@ def unknown_name_error(kind: str, name, valid: Iterable[str], plural: str = "nam
     return ValueError(f"unknown {kind} {name!r}{hint}; valid {plural}: {', '.join(valid)}{note}")
 
 
-class Registry:
+class Registry(dict):
     """Name -> function, in registration order; `kind` and `plural` name them in errors.
 
     `@registry.register(name, *aliases)` registers a function under each name; a name already taken or
     `reserved` raises ValueError. `registry[name]` returns the function and `registry.check(name)` the name,
-    both raising unknown_name_error for a name that is not registered. Iterating gives the names.
+    both raising unknown_name_error for a name that is not registered.
     """
 
     def __init__(self, kind: str, plural: str = "names", reserved: Callable[[str], bool] = lambda name: False):
-        self.kind, self.plural, self._reserved = kind, plural, reserved
-        self._functions: dict[str, Callable] = {}
+        super().__init__()
+        self.kind, self.plural, self.reserved = kind, plural, reserved
 
     def register(self, name: str, *aliases: str) -> Callable[[Callable], Callable]:
         """Decorator: register the function under `name` and each alias, and return it unchanged."""
 
         def decorator(fn: Callable) -> Callable:
             for n in (name, *aliases):
-                if n in self._functions or self._reserved(n):
+                if n in self or self.reserved(n):
                     raise ValueError(f"cannot register {self.kind} {n!r}: taken or reserved")
-                self._functions[n] = fn
+                self[n] = fn
             return fn
 
         return decorator
 
     def check(self, name: str) -> str:
         """`name` unchanged if registered; unknown_name_error otherwise."""
-        if name not in self._functions:
-            raise unknown_name_error(self.kind, name, self._functions, self.plural)
+        if name not in self:
+            raise unknown_name_error(self.kind, name, self, self.plural)
         return name
 
-    def __getitem__(self, name: str) -> Callable:
-        return self._functions[self.check(name)]
-
-    def __contains__(self, name) -> bool:
-        return name in self._functions
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._functions)
+    def __missing__(self, name: str):
+        raise unknown_name_error(self.kind, name, self, self.plural)

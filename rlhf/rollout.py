@@ -6,8 +6,8 @@ entry t belongs to response token t, predicted from the state prompt + response[
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import inspect
 from dataclasses import dataclass, fields
 
 import torch
@@ -15,7 +15,6 @@ from torch.distributed.fsdp import FSDPModule
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from rlhf import decode
-from rlhf.core_algos import logprobs_from_logits
 from rlhf.lora import plain_model
 
 
@@ -141,84 +140,37 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
              return_logprobs: bool = False) -> Sequences:
     """Sample (or greedily decode) one response per left-padded prompt: the prompts and responses as `Sequences`.
 
-    Our own decoding loop over a KV cache (`_decode`: rlhf.decode's static cache where it applies), the same
-    passes as `model.generate` (greedy output is identical, see tests/test_rollout.py) without its per-token
-    machinery. A sequence ends at the first of its stop_token_ids (every EOS id of the
-    model's generation config, and the tokenizer's); generation stops when every sequence has ended or after
-    max_new_tokens;
-    `all_finished((B,) bool finished) -> bool` may widen "every sequence" to other processes' too;
-    `generator` is the sampling noise's source (`paired_noise_generator`), the global random state if None.
-    `return_logprobs` keeps `Sequences.logprobs`, (B, R) float32, 0 after the response: each sampled token's
-    log-prob under softmax(logits / temperature) of the logits it was sampled from, before any top-k/top-p
-    filter, so the same quantity the trainer's forward pass computes (rlhf.step.logprobs_and_logits).
+    rlhf.decode's loops over a KV cache: the passes of `model.generate` (greedy output is identical,
+    tests/test_rollout.py) without its per-token machinery. A sequence ends at the first of its stop_token_ids;
+    decoding stops when every sequence has (`all_finished((B,) bool finished) -> bool` may widen that to other
+    processes' sequences) or after max_new_tokens. `generator` is the noise's source (`paired_noise_generator`;
+    None: the global random state). `return_logprobs` keeps `Sequences.logprobs`: each sampled token's log-prob
+    under softmax(logits / temperature) before any top-k/top-p filter, as the trainer's forward pass computes it.
     """
     model = plain_model(model)  # a LoRA policy samples through its transformers model, adapters in place
     eos = None if params.ignore_eos else stop_token_ids(model, tokenizer)
-    # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here).
-    # Its tensors cannot enter autograd, so the tokens are cloned into a normal tensor on the way out. Not for
-    # FSDP2-sharded models: the parameters they gather would become inference tensors, which FSDP's later
-    # in-place updates of them refuse. Not under autocast either: there it stops autocast from keeping its
-    # half-precision copies of the weights from one token to the next, so every token casts every weight
-    # again (at Qwen2.5-0.5B's width on CPU: 0.21 s per token against 0.11 s under no_grad).
+    # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here); the
+    # tokens are cloned out of it below. Not for FSDP2-sharded models (the parameters they gather would become
+    # inference tensors, which FSDP's in-place updates refuse), nor under autocast (every token would cast every
+    # weight again: 0.21 s per token against 0.11 s under no_grad at Qwen2.5-0.5B's width on CPU).
     lighter = not isinstance(model, FSDPModule) and not torch.is_autocast_enabled(prompt_ids.device.type)
+    pick, all_finished = functools.partial(next_token, params=params, generator=generator), all_finished or torch.all
     with torch.inference_mode() if lighter else torch.no_grad(), decode.cache_kept(model), \
             decode.few_threads(model, len(prompt_ids)):
-        response_ids, logprobs = _decode(model, prompt_ids, prompt_mask, params, eos, tokenizer.pad_token_id,
-                                         all_finished or torch.all, generator, return_logprobs)
+        if all_finished is torch.all and decode.supports(model):
+            response_ids, logprobs = decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick,
+                                                   params.temperature, eos, tokenizer.pad_token_id, generator,
+                                                   return_logprobs)
+        else:  # a stop rule of several processes (FSDP2), another architecture: a forward of the model per token
+            response_ids, logprobs = decode.reference_decode(model, prompt_ids, prompt_mask, params.max_new_tokens,
+                                                             pick, params.temperature, eos, tokenizer.pad_token_id,
+                                                             return_logprobs, all_finished)
     response_ids = response_ids.clone()
-    if eos is None:  # ignore_eos: every sampled token is part of the response
-        response_mask = torch.ones_like(response_ids)
-    else:
-        response_mask = response_mask_from_ids(response_ids, eos)
+    # ignore_eos (no stop ids): every sampled token is part of the response
+    response_mask = torch.ones_like(response_ids) if eos is None else response_mask_from_ids(response_ids, eos)
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
     kept = torch.where(response_mask.bool(), logprobs.clone(), 0.0) if return_logprobs else None
     return Sequences.build(prompt_ids, prompt_mask, response_ids, response_mask, kept)
-
-
-def kv_cache_name(model) -> str:
-    """The name of the KV cache in `model`'s forward arguments and outputs: transformers 5.24 renamed
-    `past_key_values` to `cache` (the old name goes in 5.40)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _decode(model, prompt_ids, prompt_mask, params: SamplingParams, eos: tuple[int, ...] | None, pad_token_id: int,
-            all_finished, generator=None, keep_logprobs: bool = False, reference: bool = False):
-    """(B, max_new_tokens) sampled tokens, pad after a sequence's EOS and for every sequence once all have
-    stopped; and with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at the temperature, else None.
-    rlhf.decode's static-cache loop where it applies (the same tokens and log-probs, tests/test_decode.py), else
-    this one, a forward pass of the model per token; `reference` runs this one always."""
-    if not reference and all_finished is torch.all and decode.supports(model):
-        return decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens,
-                             lambda logits: next_token(logits, params, generator), params.temperature, eos,
-                             pad_token_id, generator, keep_logprobs)
-    batch_size, prompt_width = prompt_ids.shape
-    # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
-    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, params.max_new_tokens)], dim=1)
-    position_ids = position_ids_from_mask(prompt_mask)
-    cache_name = kv_cache_name(model)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
-                use_cache=True, logits_to_keep=1)
-    if getattr(out, cache_name, None) is None:
-        raise RuntimeError(f"{type(model).__name__} returned no KV cache; generation needs use_cache=True "
-                           "(gradient checkpointing in train mode turns it off)")
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
-    tokens, logprobs = [], []
-    for t in range(params.max_new_tokens):
-        token = next_token(out.logits[:, -1], params, generator)
-        if keep_logprobs:  # of the unfiltered softmax(logits / T): what the trainer's forward pass computes
-            logprobs.append(logprobs_from_logits(out.logits[:, -1:], token[:, None], params.temperature)[:, 0])
-        if eos is not None:
-            token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's EOS
-            finished |= is_stop_token(token, eos)
-        tokens.append(token)
-        if t + 1 == params.max_new_tokens or (eos is not None and all_finished(finished)):
-            break
-        out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :prompt_width + t + 1],
-                    position_ids=position_ids[:, -1:] + t + 1, use_cache=True,
-                    **{cache_name: getattr(out, cache_name)})
-    width = params.max_new_tokens - len(tokens)
-    response_ids = torch.nn.functional.pad(torch.stack(tokens, dim=1), (0, width), value=pad_token_id)
-    return response_ids, torch.nn.functional.pad(torch.stack(logprobs, dim=1), (0, width)) if keep_logprobs else None
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,23 @@ def tiny_qwen2(vocab_size: int = 512, seed: int = 0, **config):
                                         max_position_embeddings=128, **config)).eval()
 
 
+def sample(model, prompt_ids, prompt_mask, params, stop_ids, pad_token_id, generator=None, keep_logprobs=False,
+           reference=False):
+    """(tokens, log-probs) of rlhf.decode's static-cache loop, or with `reference` of its reference loop, called
+    as rlhf.rollout.generate calls them."""
+    from rlhf import decode
+    from rlhf.rollout import next_token
+
+    def pick(logits):
+        return next_token(logits, params, generator)
+
+    if reference:
+        return decode.reference_decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick, params.temperature,
+                                       stop_ids, pad_token_id, keep_logprobs)
+    return decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick, params.temperature, stop_ids,
+                         pad_token_id, generator, keep_logprobs)
+
+
 def in_processes(fn, shards):
     """Run fn(shard, reduce_sum) in one thread per shard, with reduce_sum summing over the threads: the
     cross-process reduction of N processes, in one test process. Returns each thread's result."""

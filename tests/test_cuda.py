@@ -5,12 +5,12 @@ GPU machine (`python -m pytest -q -m cuda tests/test_cuda.py` does the same by h
 
 import pytest
 import torch
-from helpers import tiny_qwen2
+from helpers import sample, tiny_qwen2
 
 from rlhf import decode
 from rlhf.core_algos import logprobs_from_logits
 from rlhf.kl import full_kl
-from rlhf.rollout import SamplingParams, _decode, left_pad, next_token
+from rlhf.rollout import SamplingParams, left_pad, next_token
 
 pytestmark = pytest.mark.cuda
 EOS, PAD = 1, 0
@@ -78,8 +78,8 @@ def test_static_decoder_equals_the_reference_loop_on_cuda(autocast):
     for side in ("reference", "static"):
         generator = torch.Generator(device=CUDA).manual_seed(5)
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out[side] = _decode(model, prompt_ids, prompt_mask, params, (EOS,), PAD, torch.all, generator,
-                                keep_logprobs=True, reference=side == "reference")
+            out[side] = sample(model, prompt_ids, prompt_mask, params, (EOS,), PAD, generator,
+                               keep_logprobs=True, reference=side == "reference")
         out[side] += (torch.rand(3, generator=generator, device=CUDA),)
     where = f"transformers {transformers.__version__}, autocast {autocast}"
     same = (out["reference"][0] == out["static"][0]).float().mean().item()
@@ -96,8 +96,8 @@ def test_compiled_step_agrees_with_the_eager_one_on_cuda():
     prompt_ids, prompt_mask = prompt_ids.to(CUDA), prompt_mask.to(CUDA)
     params = SamplingParams(max_new_tokens=24, greedy=True)
     with torch.no_grad():
-        tokens, _ = _decode(model, prompt_ids, prompt_mask, params, (EOS,), PAD, torch.all, reference=True)
+        tokens, _ = sample(model, prompt_ids, prompt_mask, params, (EOS,), PAD, reference=True)
         for _ in range(2):  # the second call replays what the first compiled
             compiled, _ = decode.decode(model, prompt_ids, prompt_mask, 24, lambda logits: next_token(logits, params),
-                                        1.0, (EOS,), PAD, compiled=True)
+                                        1.0, (EOS,), PAD, step_type=decode.CompiledStep)
             assert torch.equal(tokens, compiled)

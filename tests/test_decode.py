@@ -1,12 +1,12 @@
-"""The static-cache decoder (rlhf.decode) against the reference loop (rlhf.rollout._decode with reference=True):
+"""The static-cache decoder (rlhf.decode.decode) against the reference loop (rlhf.decode.reference_decode):
 the same tokens, the same log-probs and the same random state afterwards, under the same noise."""
 
 import pytest
 import torch
-from helpers import tiny_qwen2
+from helpers import sample, tiny_qwen2
 
 from rlhf import decode
-from rlhf.rollout import SamplingParams, _decode, generate, left_pad, paired_noise_generator
+from rlhf.rollout import SamplingParams, generate, left_pad, paired_noise_generator
 
 EOS, PAD = 1, 0
 
@@ -18,8 +18,8 @@ def both(model, prompt_ids, prompt_mask, params, stop_ids, seeded: str, autocast
         generator = paired_noise_generator(7, 3, 0, "cpu") if seeded == "generator" else None
         torch.manual_seed(11)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            tokens, logprobs = _decode(model, prompt_ids, prompt_mask, params, stop_ids, PAD, torch.all, generator,
-                                       keep_logprobs=True, reference=side == "reference")
+            tokens, logprobs = sample(model, prompt_ids, prompt_mask, params, stop_ids, PAD, generator,
+                                      keep_logprobs=True, reference=side == "reference")
         out[side] = tokens, logprobs, torch.rand(3, generator=generator)
     return out
 
@@ -60,8 +60,8 @@ def test_static_decoder_stops_and_rewinds_the_noise_as_the_reference_does():
             for side in ("reference", "static"):
                 torch.manual_seed(seed)
                 with torch.inference_mode():
-                    tokens, logprobs = _decode(model, prompt_ids, prompt_mask, params, (EOS,), PAD, torch.all,
-                                               keep_logprobs=True, reference=side == "reference")
+                    tokens, logprobs = sample(model, prompt_ids, prompt_mask, params, (EOS,), PAD,
+                                              keep_logprobs=True, reference=side == "reference")
                 out[side] = tokens, logprobs, torch.rand(3)
             assert_same(out)
             length = int((out["reference"][0] != PAD).sum(dim=1).max())
@@ -142,10 +142,11 @@ def test_compiled_step_agrees_with_the_reference_loop():
     prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8, 9, 10], [3, 4], [11, 12, 13]], PAD)
     params = SamplingParams(max_new_tokens=20, greedy=True)
     with torch.inference_mode():
-        tokens, logprobs = _decode(model, prompt_ids, prompt_mask, params, (EOS,), PAD, torch.all, keep_logprobs=True,
-                                   reference=True)
+        tokens, logprobs = sample(model, prompt_ids, prompt_mask, params, (EOS,), PAD, keep_logprobs=True,
+                                  reference=True)
         compiled, compiled_logprobs = decode.decode(model, prompt_ids, prompt_mask, 20, lambda l: next_token(l, params),
-                                                    1.0, (EOS,), PAD, keep_logprobs=True, compiled=True)
+                                                    1.0, (EOS,), PAD, keep_logprobs=True,
+                                                    step_type=decode.CompiledStep)
     assert torch.equal(tokens, compiled)
     assert torch.allclose(logprobs, compiled_logprobs, atol=1e-5)
 
@@ -199,7 +200,8 @@ def test_compiled_step_under_autocast_takes_either_cache_dtype(values, monkeypat
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for compiled in (False, True):
             runs[compiled] = decode.decode(model, prompt_ids, prompt_mask, 12, lambda l: next_token(l, params), 1.0,
-                                           (EOS,), PAD, keep_logprobs=True, compiled=compiled)
+                                           (EOS,), PAD, keep_logprobs=True,
+                                           step_type=decode.CompiledStep if compiled else decode.Step)
     assert torch.equal(runs[False][0], runs[True][0])
     assert torch.allclose(runs[False][1], runs[True][1], atol=0.05)  # bf16 matmuls over the masked, longer cache
 

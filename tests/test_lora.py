@@ -8,13 +8,13 @@ import os
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import assert_same_rows, tiny_overrides
+from helpers import assert_same_rows, sample, tiny_overrides
 
 import train
 from rlhf import kl, lora
 from rlhf.config import ConfigError, load_config
 from rlhf.models import load_causal_lm
-from rlhf.rollout import SamplingParams, _decode, left_pad, paired_noise_generator
+from rlhf.rollout import SamplingParams, left_pad, paired_noise_generator
 from rlhf.setup import load_models, setup
 from rlhf.step import micro_actor_loss, plan_step, response_logits, rollout
 from rlhf.tracking import Timer, read_metrics
@@ -161,8 +161,8 @@ def test_static_cache_decoder_under_adapters_equals_the_reference_loop(lora_run)
     for side in ("reference", "static"):
         generator = paired_noise_generator(7, 3, 0, "cpu")
         with torch.no_grad():
-            out[side] = _decode(model, prompt_ids, prompt_mask, params, None, run.tokenizer.pad_token_id, torch.all,
-                                generator, keep_logprobs=True, reference=side == "reference")
+            out[side] = sample(model, prompt_ids, prompt_mask, params, None, run.tokenizer.pad_token_id, generator,
+                               keep_logprobs=True, reference=side == "reference")
     assert torch.equal(out["reference"][0], out["static"][0])
     assert torch.allclose(out["reference"][1], out["static"][1], rtol=0, atol=1e-6)
     # The log-probs are the adapted policy's, not the base's: the trainer's forward pass of the PEFT model agrees.

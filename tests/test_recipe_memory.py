@@ -13,7 +13,7 @@ from helpers import REPO
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from rlhf.config import load_config
-from rlhf.rollout import kv_cache_name
+from rlhf.decode import kv_cache_name
 
 # bench/ holds scripts, not a package: the module is loaded from its file.
 _spec = importlib.util.spec_from_file_location("recipe_memory", os.path.join(REPO, "bench", "recipe_memory.py"))

@@ -111,8 +111,14 @@ def test_score_batch_decodes_the_batch_as_the_reward_sees_it(artifacts):
     batch = Sequences.build(prompt_ids, torch.ones_like(prompt_ids), response_ids, response_mask)
     rows = {"input_ids": prompt_ids.tolist(), "ground_truth": ["12", "7"], "source": ["a", "b"]}
     reward_fn = rewards.RewardFn(record, "test:record")
-    scores = rewards.score_batch(reward_fn, tokenizer, batch, rows).scores
+    scored = rewards.score_batch(reward_fn, tokenizer, batch, rows)
+    scores = scored.scores
     assert scores.dtype == torch.float32 and scores.tolist() == [len(answers[0]) + 0.5, len(answers[1]) + 0.5]
+    assert scored.parts == {}  # one function: its score is logged once, as the score
+    weighted = rewards.WeightedReward((reward_fn, rewards.RewardFn(record, "test:again")), (1.0, 2.0))
+    scored = rewards.score_batch(weighted, tokenizer, batch, rows)
+    assert scored.scores.tolist() == [3 * (len(answers[0]) + 0.5), 3 * (len(answers[1]) + 0.5)]
+    assert sorted(scored.parts) == ["reward/again", "reward/record"]  # several: each part logged too
     assert seen == {"prompts": ["q1", "q2"], "completions": ["#### 12", "3 + 4 = 7"], "completion_ids": answers,
                     "ground_truth": ["12", "7"], "source": ["a", "b"]}
 

@@ -10,6 +10,22 @@ import math
 KL_CTRL_TYPES = ("fixed", "adaptive")
 
 
+class FixedKLController:
+    """A constant coefficient: `.value` == kl_coef forever. `.value` is all a checkpoint keeps."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)  # checked with the config (check_kl_ctrl), or by build_kl_controller
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing to adapt."""
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -31,31 +47,9 @@ def check_kl_ctrl(type: str, kl_coef: float, target_kl: float | None = None, hor
                 )
 
 
-class _KLController:
-    """What both controllers share: the coefficient `.value`, which is all a checkpoint has to keep."""
-
-    value: float
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
-
-
-class FixedKLController(_KLController):
-    """A constant coefficient: `.value` == kl_coef forever."""
-
-    def __init__(self, kl_coef: float):
-        check_kl_ctrl("fixed", kl_coef)
-        self.value = float(kl_coef)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        """Nothing to adapt."""
-
-
-class AdaptiveKLController(_KLController):
-    """Proportional controller of Ziegler et al. 2019 (arXiv:1909.08593), as in verl and TRL.
+class AdaptiveKLController(FixedKLController):
+    """Proportional controller of Ziegler et al. 2019 (arXiv:1909.08593), as in verl and TRL: a value that
+    `update` moves (its state, a fixed controller's).
 
     update: e = clip(current_kl / target_kl - 1, -0.2, 0.2); value *= 1 + e * n_steps / horizon, where n_steps
     is the number of samples (sequences) since the last update and current_kl the measured KL: the trainer

@@ -37,15 +37,12 @@ _OFF_POLICY: dict[Estimator, str] = {}
 
 
 def register_estimator(name: str, *aliases: str, off_policy: str = DETACHED) -> Callable[[Estimator], Estimator]:
-    """Register a base estimator `(logprob, ref_logprob) -> same shape` under `name` and its aliases.
-
-    Adding an estimator is one decorated function below (ESTIMATOR_NAMES is built from the registry after
-    them). Names may not end in `+` (reserved for the straight-through form) and may not be `full`.
-    `off_policy` is how kl_penalty weights it on tokens sampled from pi_old (one of OFF_POLICY_RULES):
-    IN_GRAPH only for an estimator with E_{x~pi}[value] == KL(pi || ref) for every pi and no clamp, since the
-    gradient of E_old[rho X] = E_pi[X] is then exactly grad KL(pi || ref); DETACHED keeps the estimator's
-    on-policy expected gradient; AS_PLUS gives grad KL(pi || ref) by k2's gradient.
-    """
+    """Register a base estimator `(logprob, ref_logprob) -> same shape` under `name` and its aliases (not `full`,
+    nor a name ending in `+`, the straight-through form). `off_policy` is how kl_penalty weights it on tokens
+    sampled from pi_old (one of OFF_POLICY_RULES): IN_GRAPH only for an estimator with E_{x~pi}[value] ==
+    KL(pi || ref) for every pi and no clamp, since the gradient of E_old[rho X] = E_pi[X] is then exactly
+    grad KL(pi || ref); DETACHED keeps the estimator's on-policy expected gradient; AS_PLUS gives grad KL(pi ||
+    ref) by k2's gradient."""
     if off_policy not in OFF_POLICY_RULES:
         raise ValueError(f"off_policy {off_policy!r}; valid: {', '.join(OFF_POLICY_RULES)}")
 
@@ -108,120 +105,41 @@ _PLUS_RULE = (
 )
 
 
-def _split(name: str) -> tuple[str, bool]:
-    """`k3+` -> ("k3", True), `k3` -> ("k3", False); TypeError for a non-str."""
+def _parse(name: str, allow_full: bool = True) -> "KLEstimator":
+    """An estimator's name -> its KLEstimator. TypeError for a non-str; ValueError naming the input, every valid
+    name and the `+` rule for an unknown one, for `full+` (`full` already has the exact gradient) and, without
+    `allow_full`, for `full` (kl_penalty takes sampled log-probs, and `full` needs both models' logits)."""
     if not isinstance(name, str):
         raise TypeError(f"KL estimator name must be a str, got {type(name).__name__} {name!r}")
     plus = name.endswith("+")
-    return (name[:-1] if plus else name), plus  # the fix of verl PR #6058: strip the suffix before dispatch
-
-
-def _unknown_name_error(name: str, allow_full: bool) -> ValueError:
-    valid = ESTIMATOR_NAMES + ((FULL,) if allow_full else ())
-    note = f". Base names {', '.join(BASE_ESTIMATOR_NAMES)}: {_PLUS_RULE}."
-    return unknown_name_error(_ESTIMATORS.kind, name, valid, note=note)
-
-
-def check_estimator(name: str, allow_full: bool = False) -> str:
-    """Validate an estimator name from a config and return it unchanged.
-
-    Raises TypeError for a non-str and ValueError (naming the input, every valid name and the `+` rule)
-    otherwise. With `allow_full`, `full` (the exact KL from logits, see full_kl) is also accepted, and
-    `full+` is refused because `full` already has the exact gradient.
-    """
-    base, plus = _split(name)
+    base = name[:-1] if plus else name  # the fix of verl PR #6058: strip the suffix before dispatch
     if base == FULL and not allow_full:
-        raise ValueError(
-            f"KL estimator {name!r} is the exact KL over the vocabulary: it needs both models' logits, "
-            "not sampled log-probs, so kl_penalty cannot compute it; use full_kl(logits, ref_logits)"
-        )
+        raise ValueError(f"KL estimator {name!r} is the exact KL over the vocabulary: it needs both models' logits, "
+                         "not sampled log-probs, so kl_penalty cannot compute it; use full_kl(logits, ref_logits)")
     if base == FULL and plus:
-        raise ValueError(
-            "KL estimator 'full+' is not valid: 'full' is already the exact KL with the exact gradient, "
-            "so the '+' suffix (k2's gradient) does not apply; use 'full'"
-        )
-    if base != FULL and base not in _ESTIMATORS:
-        raise _unknown_name_error(name, allow_full)
-    return name
+        raise ValueError("KL estimator 'full+' is not valid: 'full' is already the exact KL with the exact gradient, "
+                         "so the '+' suffix (k2's gradient) does not apply; use 'full'")
+    if base == FULL:
+        return KLEstimator(name, needs_logits=True)
+    if base not in _ESTIMATORS:
+        valid = ESTIMATOR_NAMES + ((FULL,) if allow_full else ())
+        note = f". Base names {', '.join(BASE_ESTIMATOR_NAMES)}: {_PLUS_RULE}."
+        raise unknown_name_error(_ESTIMATORS.kind, name, valid, note=note)
+    return KLEstimator(name, needs_logits=False, base=_ESTIMATORS[base], plus=plus)
 
 
-def _parse(name: str) -> tuple[Estimator, bool]:
-    """A sampled estimator's name -> (base estimator, straight-through?). Raises like check_estimator."""
-    base, plus = _split(check_estimator(name))
-    return _ESTIMATORS[base], plus
-
-
-def needs_logits(name: str) -> bool:
-    """Whether estimator `name` is computed from both models' logits (`full`, by full_kl) rather than from
-    sampled log-probs (every name kl_penalty takes). Raises like check_estimator(name, allow_full=True)."""
-    return check_estimator(name, allow_full=True) == FULL
-
-
-def canonical(name: str) -> str:
-    """The first-registered name of an estimator, keeping a `+` suffix: `low_var_kl+` -> `k3+`, `mse` -> `k2`,
-    `full` -> `full`. Raises like check_estimator(name, allow_full=True)."""
-    if needs_logits(name):
-        return name
-    base, plus = _parse(name)
-    return next(n for n in _ESTIMATORS if _ESTIMATORS[n] is base) + ("+" if plus else "")
-
-
-def kl_penalty(
-    logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str, old_logprob: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Per-token KL estimate, elementwise: logprob, ref_logprob (B, T) or any equal shape -> same shape.
-
-    `estimator` is one of ESTIMATOR_NAMES (the table in rlhf.kl's docstring). `X+` returns X's value (equal
-    for finite values) with k2's gradient, `k2 - k2.detach() + X.detach()`, i.e. d/dlogprob = logprob -
-    ref_logprob (and -(logprob - ref_logprob) w.r.t. ref_logprob if it requires grad). Half-precision inputs
-    are computed in float32 and the result is float32. Same name and argument order as verl's kl_penalty.
-
-    `old_logprob` (same shape, never differentiated) is the log-prob under the policy that sampled the tokens,
-    for a KL loss on off-policy samples (PPO after the first optimizer step). The result's value is then rho * X
-    with rho = exp(clamp(logprob - old_logprob, -20, 20)) as in the policy loss, and its gradient follows the
-    estimator's off-policy rule (off_policy_rule: rho in the graph for k1; for k3, X+'s gradient, k2's, with rho
-    detached; rho detached for k2, abs and every `X+`; rlhf.kl's docstring says why). Then E_{x~pi_old} of the
-    value is X's on-policy mean and, for k1, k2, k3 and every `X+`, E_{x~pi_old} of the gradient is
-    grad KL(pi || ref) at every d (for abs, 2 grad TV as on-policy). This changes the gradient even where
-    old_logprob == logprob (rho == 1): the on-policy k1 and k3 losses do not give grad KL(pi || ref), the
-    corrected ones do. None (the default) leaves the term unweighted.
-    """
-    base, plus = _parse(estimator)
-    return _sampled_term(base, plus, logprob, ref_logprob, old_logprob)
-
-
-def _sampled_term(base: Estimator, plus: bool, logprob, ref_logprob, old_logprob=None) -> torch.Tensor:
-    """kl_penalty's computation for a parsed name: the base estimator, straight-through if `plus`."""
-    for other_name, other in (("ref_logprob", ref_logprob), ("old_logprob", old_logprob)):
-        if other is not None and other.shape != logprob.shape:
-            raise ValueError(f"logprob {tuple(logprob.shape)} and {other_name} {tuple(other.shape)} differ")
-    rule = DETACHED if plus else _OFF_POLICY[base]
-    logprob, ref_logprob = upcast(logprob), upcast(ref_logprob)
-    value = base(logprob, ref_logprob)
-    if plus or (old_logprob is not None and rule == AS_PLUS):
-        k2 = kl_k2(logprob, ref_logprob)
-        value = k2 - k2.detach() + value.detach()
-    if old_logprob is None:
-        return value
-    rho = torch.exp((logprob - upcast(old_logprob.detach())).clamp(-20.0, 20.0))
-    return (rho if rule == IN_GRAPH else rho.detach()) * value
-
-
-def off_policy_rule(estimator: str) -> str:
-    """How kl_penalty(..., old_logprob=...) weights `estimator` (one of OFF_POLICY_RULES): IN_GRAPH for k1,
-    AS_PLUS for k3, DETACHED for k2, abs and every `X+`. Raises like check_estimator."""
-    base, plus = _parse(estimator)
-    return DETACHED if plus else _OFF_POLICY[base]
+@functools.lru_cache(maxsize=None)
+def parse_estimator(name: str) -> "KLEstimator":
+    """The KLEstimator of any valid name, `full` included (raises like _parse); the config's check parses each
+    configured name, and the step gets the same object back."""
+    return _parse(name)
 
 
 @dataclass(frozen=True)
 class KLEstimator:
-    """An estimator name parsed once (parse_estimator), as the step calls it: `est(logprob, ref_logprob,
-    full_kl=None, old_logprob=None)` -> the per-token term (B, T). `needs_logits` says whether the caller must
-    bring `full_kl`, the exact per-token KL full_kl(logits, ref_logits, temperature) of the same tokens, which
-    the object then returns (`full` sums over the vocabulary under the current policy, so it needs no
-    importance weight); every other name is kl_penalty's term. `full` is an estimator like the others: the
-    object hides the difference."""
+    """An estimator name parsed once, as the step calls it: `est(logprob, ref_logprob, full_kl=None,
+    old_logprob=None)` -> the per-token term, all (B, T): kl_penalty's, or for `full` (`needs_logits`) the exact
+    KL the caller brings, full_kl(logits, ref_logits, temperature), which needs no importance weight."""
 
     name: str  # as configured, e.g. "low_var_kl+"
     needs_logits: bool  # `full`: computed from both models' logits (full_kl), not from sampled log-probs
@@ -230,21 +148,40 @@ class KLEstimator:
 
     def __call__(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, full_kl: torch.Tensor | None = None,
                  old_logprob: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.needs_logits:
-            return _sampled_term(self.base, self.plus, logprob, ref_logprob, old_logprob)
-        if full_kl is None:
-            raise ValueError(f"KL estimator {self.name!r} needs full_kl, the exact per-token KL from both models' logits")
-        return full_kl
+        if self.needs_logits:
+            if full_kl is None:
+                raise ValueError(f"KL estimator {self.name!r} needs full_kl, the exact per-token KL from both "
+                                 "models' logits")
+            return full_kl
+        for other_name, other in (("ref_logprob", ref_logprob), ("old_logprob", old_logprob)):
+            if other is not None and other.shape != logprob.shape:
+                raise ValueError(f"logprob {tuple(logprob.shape)} and {other_name} {tuple(other.shape)} differ")
+        rule = DETACHED if self.plus else _OFF_POLICY[self.base]
+        logprob, ref_logprob = upcast(logprob), upcast(ref_logprob)
+        value = self.base(logprob, ref_logprob)
+        if self.plus or (old_logprob is not None and rule == AS_PLUS):
+            k2 = kl_k2(logprob, ref_logprob)
+            value = k2 - k2.detach() + value.detach()
+        if old_logprob is None:
+            return value
+        rho = torch.exp((logprob - upcast(old_logprob.detach())).clamp(-20.0, 20.0))
+        return (rho if rule == IN_GRAPH else rho.detach()) * value
 
 
-@functools.lru_cache(maxsize=None)
-def parse_estimator(name: str) -> KLEstimator:
-    """The KLEstimator of any valid name, `full` included (raises like check_estimator(name, allow_full=True));
-    the config's check parses each configured name, and the step gets the same object back."""
-    if needs_logits(name):
-        return KLEstimator(name, needs_logits=True)
-    base, plus = _parse(name)
-    return KLEstimator(name, needs_logits=False, base=base, plus=plus)
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str,
+               old_logprob: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL estimate, elementwise: logprob, ref_logprob (B, T) or any equal shape -> same shape, in
+    float32 for half-precision inputs. Same name and argument order as verl's kl_penalty.
+
+    `estimator` is one of ESTIMATOR_NAMES (the table in rlhf.kl's docstring); `X+` is X's value with k2's gradient,
+    `k2 - k2.detach() + X.detach()`. `old_logprob` (never differentiated), the log-prob under the policy that
+    sampled the tokens, is for a KL loss off-policy (PPO after the first optimizer step): the value is then rho * X,
+    rho = exp(clamp(logprob - old_logprob, -20, 20)) as in the policy loss, with rho in the graph or detached by
+    the estimator's rule (off_policy_rule; rlhf.kl's docstring says why), so that over x ~ pi_old the mean value is
+    X's on-policy mean and the mean gradient grad KL(pi || ref) for k1, k2, k3 and every `X+` (abs: 2 grad TV). It
+    changes the gradient even at rho == 1: uncorrected, the k1 and k3 losses do not give grad KL(pi || ref).
+    """
+    return _parse(estimator, allow_full=False)(logprob, ref_logprob, old_logprob=old_logprob)
 
 
 @torch.no_grad()
@@ -256,7 +193,36 @@ def kl_panel(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tenso
     """
     if mask.shape != logprob.shape:
         raise ValueError(f"mask {tuple(mask.shape)} and logprob {tuple(logprob.shape)} differ")
-    return {
-        f"kl/{name}": masked_mean(kl_penalty(logprob, ref_logprob, name), mask).item()
-        for name in PANEL_ESTIMATORS
-    }
+    return {f"kl/{name}": masked_mean(kl_penalty(logprob, ref_logprob, name), mask).item() for name in PANEL_ESTIMATORS}
+
+
+# ----------------------------------------------------------------- questions about a name (the config's checks)
+
+
+def check_estimator(name: str, allow_full: bool = False) -> str:
+    """Validate an estimator name from a config and return it unchanged; raises like _parse (with `allow_full`,
+    `full`, the exact KL from logits, is accepted too)."""
+    _parse(name, allow_full)
+    return name
+
+
+def needs_logits(name: str) -> bool:
+    """Whether estimator `name` is computed from both models' logits (`full`, by full_kl) rather than from
+    sampled log-probs (every name kl_penalty takes). Raises like check_estimator(name, allow_full=True)."""
+    return _parse(name).needs_logits
+
+
+def canonical(name: str) -> str:
+    """The first-registered name of an estimator, keeping a `+` suffix: `low_var_kl+` -> `k3+`, `mse` -> `k2`,
+    `full` -> `full`. Raises like check_estimator(name, allow_full=True)."""
+    estimator = _parse(name)
+    if estimator.needs_logits:
+        return name
+    return next(n for n in _ESTIMATORS if _ESTIMATORS[n] is estimator.base) + ("+" if estimator.plus else "")
+
+
+def off_policy_rule(estimator: str) -> str:
+    """How kl_penalty(..., old_logprob=...) weights `estimator` (one of OFF_POLICY_RULES): IN_GRAPH for k1,
+    AS_PLUS for k3, DETACHED for k2, abs and every `X+`. Raises like check_estimator."""
+    parsed = _parse(estimator, allow_full=False)
+    return DETACHED if parsed.plus else _OFF_POLICY[parsed.base]

@@ -62,6 +62,7 @@ class RewardFn:
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     correct_threshold: float = 1.0
+    logs_parts = False  # one function: its score is the score, logged once (critic/score/mean)
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], completion_ids: Sequence[Sequence[int]],
                  fields: dict[str, Sequence]) -> list[float]:
@@ -83,7 +84,7 @@ class RewardFn:
         return self.name.rpartition(":")[2].rpartition(".")[2]
 
     def score_parts(self, prompts, completions, completion_ids, fields) -> dict[str, list[float]]:
-        """{part_name: the scores}: the interface of WeightedReward, with one part."""
+        """{part_name: the scores}: WeightedReward's interface, with one part (score_batch calls it)."""
         return {self.part_name: self(prompts, completions, completion_ids, fields)}
 
     def combine(self, parts: dict[str, Any]) -> Any:
@@ -112,6 +113,7 @@ class WeightedReward:
 
     parts: tuple[RewardFn, ...]
     weights: tuple[float, ...]
+    logs_parts = True  # each part's scores logged too, as reward/<name>/mean
 
     @property
     def name(self) -> str:
@@ -198,29 +200,21 @@ class Scored:
 
 
 def score_batch(reward_fn: RewardFn | WeightedReward, tokenizer, seq, rows) -> Scored:
-    """The scores of a batch's responses (`seq`, rlhf.rollout.Sequences) to its prompt rows (`rows`, one per
-    response: input_ids and the task's fields) by the configured reward: each part's (`score_parts`), combined,
-    and whether each response counts as right."""
-    parts = score_parts(reward_fn, tokenizer, seq, rows)
-    several = {f"reward/{name}": values for name, values in parts.items()} if isinstance(reward_fn, WeightedReward) else {}
-    correct = reward_fn.is_correct(reward_fn.correctness(parts).tolist())
-    correct = torch.tensor(correct, dtype=torch.bool, device=seq.response_ids.device)
-    return Scored(reward_fn.combine(parts), correct, several)
-
-
-def score_parts(reward_fn: RewardFn | WeightedReward, tokenizer, seq, rows) -> dict[str, torch.Tensor]:
-    """{part name: (B,) float32 scores} of the batch's responses by each part of the configured reward (one part
-    for reward.function): each row's prompt decoded with its special tokens, its response's tokens up to and
-    including the stop token (the response mask), and the rows' other columns as the function's fields.
-    `reward_fn.combine` of it is the score."""
+    """The configured reward's verdict on a batch's responses (`seq`, rlhf.rollout.Sequences) to their prompt rows
+    (`rows`, one per response: input_ids and the task's fields). The function sees each prompt decoded with its
+    special tokens, each response's tokens up to and including the stop token (the response mask) and the rows'
+    other columns as its fields."""
     lengths = seq.response_mask.sum(dim=1).tolist()
     completion_ids = [ids[:length] for ids, length in zip(seq.response_ids.tolist(), lengths)]
     prompts = tokenizer.batch_decode(rows["input_ids"])
     fields = {key: values for key, values in rows.items() if key != "input_ids"}
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    parts = reward_fn.score_parts(prompts, completions, completion_ids, fields)
-    return {name: torch.tensor(values, dtype=torch.float32, device=seq.response_ids.device)
-            for name, values in parts.items()}
+    parts = {name: torch.tensor(values, dtype=torch.float32, device=seq.response_ids.device)
+             for name, values in reward_fn.score_parts(prompts, completions, completion_ids, fields).items()}
+    several = {f"reward/{name}": values for name, values in parts.items()} if reward_fn.logs_parts else {}
+    correct = reward_fn.is_correct(reward_fn.correctness(parts).tolist())
+    correct = torch.tensor(correct, dtype=torch.bool, device=seq.response_ids.device)
+    return Scored(reward_fn.combine(parts), correct, several)
 
 
 def import_reward(name: str, key: str = "reward.function") -> Callable:

@@ -77,13 +77,8 @@ def _reference_value(ground_truth: str) -> Decimal | None:
     return None if number is None else Decimal(number)
 
 
-def compute_score(
-    response: str,
-    ground_truth: str,
-    method: str = "strict",
-    format_score: float = 0.0,
-    score: float = 1.0,
-) -> float:
+def compute_score(response: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
+                  score: float = 1.0) -> float:
     """`score` if the answer extracted from `response` equals `ground_truth` as a decimal value; otherwise
     0.0 when no answer could be extracted, `format_score` when one was but it is wrong.
 
