@@ -28,8 +28,9 @@ reserved peaks, and the device-level peak, polled: what the CUDA context and the
   and the KV cache read once a token); the reference loop at one size;
 - memory_sweep: the PPO recipe's update on 32 of its responses at each actor.ppo_micro_batch_size of 1-32, with
   gradient checkpointing on and off: peak memory against the model (an out-of-memory is recorded, not fatal);
-- compiled_decoding: the compiled one-token step (`decode.decode(..., step_type=decode.CompiledStep)`, a CUDA graph) at batch
-  256: its compile time, its per-token time beside the eager loop's, its greedy tokens against the eager ones;
+- compiled_decoding: the compiled one-token step (`decode.decode(..., step_type=decode.CompiledStep)`, a CUDA
+  graph) at batch 256: its compile time, its per-token time beside the eager loop's, its greedy tokens against
+  the eager ones;
 - checkpoint: the PPO recipe's checkpoint (float32 actor and critic, AdamW moments) written once: seconds, GiB;
 - cuda_tests: the tests marked `cuda` (tests/test_cuda.py), run in this process by pytest;
 - embedded_default: configs/tiny.yaml trained on the device for its 40 steps (the warm start from .gpu_check/,
