@@ -53,7 +53,7 @@ class FloorSide:
 
     def _sample(self):
         """(B, P+R): RESPONSE_LENGTH tokens sampled through the KV cache, one forward per token."""
-        from rlhf.rollout import position_ids_from_mask
+        from rlhf.decode import position_ids_from_mask
 
         ids, mask = self.prompt_ids, self.prompt_mask
         positions = position_ids_from_mask(mask)
@@ -87,7 +87,7 @@ class FloorSide:
         return {"step": clock[-1] - clock[0], **seconds}
 
     def _passes(self, lap) -> None:
-        from rlhf.rollout import position_ids_from_mask
+        from rlhf.decode import position_ids_from_mask
 
         with torch.no_grad():
             sequences = self._sample()  # (B, P+R)
@@ -123,7 +123,7 @@ class GroupFloorSide(FloorSide):
         self._load(model_dir, tokenizer, rows, gpu, with_critic=False)
 
     def _passes(self, lap) -> None:
-        from rlhf.rollout import position_ids_from_mask
+        from rlhf.decode import position_ids_from_mask
 
         with torch.no_grad():
             sequences = self._sample()  # (B, P+R), B = NUM_RESPONSES

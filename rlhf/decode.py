@@ -108,6 +108,12 @@ def few_threads(model, batch_size: int):
             torch.set_num_threads(threads)
 
 
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions counted over real tokens only, so left padding does not shift them: what
+    transformers' `generate` uses, and what a sequence without padding would get. Padding gets 0."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick, temperature: float,
            stop_ids: tuple[int, ...] | None, pad_token_id: int, generator: torch.Generator | None = None,
            keep_logprobs: bool = False, step_type: type[Step] | None = None, check_every: int = STOP_CHECK_EVERY):
@@ -118,7 +124,7 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_t
     `step_type` runs each later token: Step (None), or CompiledStep (the benchmarks')."""
     batch_size, prompt_width = prompt_ids.shape
     device = prompt_ids.device
-    position_ids = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # counted over real tokens (rollout's rule)
+    position_ids = position_ids_from_mask(prompt_mask)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
                 logits_to_keep=1)
     prompt_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -280,7 +286,7 @@ def reference_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     batch_size, prompt_width = prompt_ids.shape
     # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, max_new_tokens)], dim=1)
-    position_ids = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    position_ids = position_ids_from_mask(prompt_mask)
     cache_name = kv_cache_name(model)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
                 use_cache=True, logits_to_keep=1)
@@ -288,16 +294,17 @@ def reference_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         raise RuntimeError(f"{type(model).__name__} returned no KV cache; generation needs use_cache=True "
                            "(gradient checkpointing in train mode turns it off)")
     finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
+    stop = None if stop_ids is None else torch.tensor(stop_ids, dtype=torch.long, device=prompt_ids.device)
     tokens, logprobs = [], []
     for t in range(max_new_tokens):
         token = pick(out.logits[:, -1])
         if keep_logprobs:  # of the unfiltered softmax(logits / T): what the trainer's forward pass computes
             logprobs.append(logprobs_from_logits(out.logits[:, -1:], token[:, None], temperature)[:, 0])
-        if stop_ids is not None:
+        if stop is not None:
             token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's stop token
-            finished |= torch.isin(token, torch.tensor(stop_ids, dtype=token.dtype, device=token.device))
+            finished |= torch.isin(token, stop)
         tokens.append(token)
-        if t + 1 == max_new_tokens or (stop_ids is not None and all_finished(finished)):
+        if t + 1 == max_new_tokens or (stop is not None and all_finished(finished)):
             break
         out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :prompt_width + t + 1],
                     position_ids=position_ids[:, -1:] + t + 1, use_cache=True,

@@ -55,7 +55,7 @@ class Sequences:
         """The record from left-padded prompts and right-padded responses."""
         attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
         return cls(prompt_ids, prompt_mask, response_ids, response_mask, torch.cat([prompt_ids, response_ids], dim=1),
-                   attention_mask, position_ids_from_mask(attention_mask), logprobs)
+                   attention_mask, decode.position_ids_from_mask(attention_mask), logprobs)
 
     def rows(self, index) -> Sequences:
         """The rows `index` of every tensor (a micro-batch)."""
@@ -171,9 +171,3 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
     kept = torch.where(response_mask.bool(), logprobs.clone(), 0.0) if return_logprobs else None
     return Sequences.build(prompt_ids, prompt_mask, response_ids, response_mask, kept)
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) positions counted over real tokens only, so left padding does not shift them: what
-    transformers' `generate` uses, and what a sequence without padding would get. Padding gets 0."""
-    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
