@@ -16,7 +16,8 @@ _spec.loader.exec_module(gpu_check)
 
 
 def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
-    """Every part runs (or says why it cannot: the CUDA tests, the compiled step at toy size), in the order of docs/gpu.md, and prints one line with its numbers."""
+    """Every part runs (or says why it cannot: the CUDA tests, the compiled step at toy size), in the order of
+    docs/gpu.md, and prints one line with its numbers."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, SCRIPT, "--toy", "--device", "cpu", "--out", str(tmp_path),
                            "--prepared", str(tmp_path / "nothing")], env=env, capture_output=True, text=True,
