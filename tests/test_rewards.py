@@ -135,6 +135,23 @@ def test_score_evaluates_a_reward_on_one_token_responses_without_a_model(artifac
     assert scores.tolist() == [v % 3 - 1.0 for v in range(10)]
 
 
+def test_score_refuses_fields_a_function_cannot_take_and_inputs_of_other_lengths(artifacts):
+    """rlhf.rewards.score takes any fields, so it checks each function's signature against them (each part of a
+    reward of several) and the inputs' lengths against the completions'."""
+    tokenizer = load_tokenizer(artifacts.model_dir)
+    narrow = rewards.RewardFn(lambda prompts, completions, completion_ids, ground_truth: [0.0], "m:f")
+    wide = rewards.RewardFn(lambda completions, **fields: [1.0], "m:g")
+    assert score(narrow, tokenizer, ["p"], [[1]], {"ground_truth": ["1"]}).tolist() == [0.0]
+    for reward_fn in (narrow, rewards.WeightedReward((wide, narrow), (1.0, 1.0))):
+        with pytest.raises(RewardError, match=r"m:f\(prompts.* cannot be called .*unexpected keyword arg.* 'source'"):
+            score(reward_fn, tokenizer, ["p"], [[1]], {"ground_truth": ["1"], "source": ["x"]})
+    assert score(wide, tokenizer, ["p"], [[1]], {"ground_truth": ["1"], "source": ["x"]}).tolist() == [1.0]
+    with pytest.raises(ValueError, match="reward inputs: ground_truth has 2 entries for 1 completions"):
+        score(narrow, tokenizer, ["p"], [[1]], {"ground_truth": ["1", "2"]})
+    with pytest.raises(ValueError, match="reward inputs: prompts has 2 entries for 1 completions"):
+        score(narrow, tokenizer, ["p", "q"], [[1]], {"ground_truth": ["1"]})
+
+
 def test_gsm8k_default_gives_todays_scores(artifacts):
     """The default reward.function is compute_score, for both methods, on texts and through the tokenizer."""
     texts = ["#### 72", "so 48 + 24 = 72\n#### 72", "#### 1,234", "#### 71", "The answer is 72.", "no answer",
@@ -229,9 +246,6 @@ def test_every_call_is_checked_and_array_results_are_accepted():
                    [True, np.float64(0.5)]):
         reward_fn = rewards.RewardFn(lambda completions, **fields: result, "m:f")
         assert reward_fn(["p"] * 2, ["a", "b"], [[1], [2]], {}) == [1.0, 0.5]
-    with pytest.raises(RewardError, match="cannot be called as .*unexpected keyword argument 'source'"):
-        rewards.RewardFn(lambda prompts, completions, completion_ids, ground_truth: [0.0], "m:f")(
-            ["p"], ["a"], [[1]], {"ground_truth": ["1"], "source": ["x"]})
 
 
 def test_reward_settings_are_checked_and_warned_about(reward_module):

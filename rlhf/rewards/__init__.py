@@ -49,8 +49,7 @@ _CALL = "fn(prompts=..., completions=..., completion_ids=..., **fields)"
 
 
 class RewardError(ValueError):
-    """A reward function's result that is not one finite number per response; the message names the
-    function, what it returned and what was expected."""
+    """A reward function's result that is not one finite number per response, or a call it cannot take."""
 
 
 @dataclass(frozen=True)
@@ -67,20 +66,14 @@ class RewardFn:
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], completion_ids: Sequence[Sequence[int]],
                  fields: dict[str, Sequence]) -> list[float]:
         """The function's scores of B responses, as B finite floats; RewardError otherwise (see the module)."""
-        num = len(completions)
-        for key, values in {"prompts": prompts, "completion_ids": completion_ids, **fields}.items():
-            if len(values) != num:
-                raise ValueError(f"reward inputs: {key} has {len(values)} entries for {num} completions")
-        check_signature(self.fn, self.name, fields, self.kwargs, error=RewardError)
         result = self.fn(prompts=list(prompts), completions=list(completions),
                          completion_ids=[list(ids) for ids in completion_ids],
                          **{key: list(values) for key, values in fields.items()}, **self.kwargs)
-        return check_scores(result, num, self.name)
+        return check_scores(result, len(completions), self.name)
 
     @property
     def part_name(self) -> str:
-        """Its name as a part of a reward of several (reward/<name>/mean): the callable's, `reward_func` for
-        `rlhf.rewards.gsm8k:reward_func`."""
+        """Its name as a part of a reward of several (reward/<name>/mean): the callable's, e.g. `reward_func`."""
         return self.name.rpartition(":")[2].rpartition(".")[2]
 
     def score_parts(self, prompts, completions, completion_ids, fields) -> dict[str, list[float]]:
@@ -185,7 +178,13 @@ def score(reward_fn: RewardFn, tokenizer, prompts: Sequence[str], completion_ids
           fields: dict[str, Sequence]) -> torch.Tensor:
     """(B,) float32 scores of B (prompt, completion) pairs, no model needed: `prompts` as text, each
     completion as its token ids (without padding; the stop token, if any, included), decoded here as the
-    trainer decodes them; `fields` the rows' other columns, one entry per pair (e.g. {"ground_truth": [...]})."""
+    trainer decodes them; `fields` the rows' other columns, one entry per pair (e.g. {"ground_truth": [...]}).
+    Inputs of different lengths are a ValueError, a function that cannot take `fields` a RewardError."""
+    for key, values in {"prompts": prompts, **fields}.items():
+        if len(values) != len(completion_ids):
+            raise ValueError(f"reward inputs: {key} has {len(values)} entries for {len(completion_ids)} completions")
+    for part in getattr(reward_fn, "parts", (reward_fn,)):  # a WeightedReward's functions, each checked
+        check_signature(part.fn, part.name, fields, part.kwargs, error=RewardError)
     completions = tokenizer.batch_decode([list(ids) for ids in completion_ids], skip_special_tokens=True)
     return torch.tensor(reward_fn(prompts, completions, completion_ids, fields), dtype=torch.float32)
 
@@ -201,9 +200,7 @@ class Scored:
 
 def score_batch(reward_fn: RewardFn | WeightedReward, tokenizer, seq, rows) -> Scored:
     """The configured reward's verdict on a batch's responses (`seq`, rlhf.rollout.Sequences) to their prompt rows
-    (`rows`, one per response: input_ids and the task's fields). The function sees each prompt decoded with its
-    special tokens, each response's tokens up to and including the stop token (the response mask) and the rows'
-    other columns as its fields."""
+    (`rows`, one per response: input_ids and the task's fields), called as the module says."""
     lengths = seq.response_mask.sum(dim=1).tolist()
     completion_ids = [ids[:length] for ids, length in zip(seq.response_ids.tolist(), lengths)]
     prompts = tokenizer.batch_decode(rows["input_ids"])
