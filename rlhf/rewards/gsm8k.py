@@ -47,11 +47,7 @@ def _normalise(number: str) -> str:
 
 def extract_solution(text: str, method: str = "strict") -> str | None:
     """The final answer in `text` as a normalised number string ("1234", "-3.5"), or None if there is none.
-
-    "strict" takes the number right after the last `####` marker that is followed by one (whitespace and
-    `$` allowed between), so trailing text after the number is ignored; "flexible" takes the last number
-    anywhere in the text.
-    """
+    "strict" reads the number after the last `####` followed by one (whitespace and `$` allowed between)."""
     if method == "strict":
         matches = _MARKED_NUMBER_RE.findall(text)
     elif method == "flexible":
@@ -79,12 +75,9 @@ def _reference_value(ground_truth: str) -> Decimal | None:
 
 def compute_score(response: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
                   score: float = 1.0) -> float:
-    """`score` if the answer extracted from `response` equals `ground_truth` as a decimal value; otherwise
-    0.0 when no answer could be extracted, `format_score` when one was but it is wrong.
-
-    `ground_truth` is a number ("1,234") or a full GSM8K answer ending in `#### N`; an unreadable one
-    scores 0.0. Never raises on string inputs (an unknown `method` is a ValueError).
-    """
+    """`score` if the answer in `response` equals `ground_truth` (a number, or a GSM8K answer ending in `#### N`)
+    as a decimal value; 0.0 when either has no number, `format_score` when they differ. Raises only for an
+    unknown `method`."""
     answer = extract_solution(response, method)
     if answer is None:
         return 0.0
@@ -102,8 +95,7 @@ def final_answer(completion: str, method: str = "strict") -> Decimal | None:
 
 def reward_func(prompts: list[str], completions: list[str], completion_ids: list[list[int]], ground_truth: list[str],
                 method: str = "strict", **fields) -> list[float]:
-    """The GSM8K rule as a reward function (TRL's reward_funcs convention): compute_score of each completion
-    against its ground truth; the trainer passes data.reward_method as `method`."""
+    """compute_score of each completion against its ground truth; `method` is data.reward_method."""
     return [compute_score(text, truth, method=method) for text, truth in zip(completions, ground_truth, strict=True)]
 
 
