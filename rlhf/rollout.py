@@ -21,12 +21,8 @@ from rlhf.lora import plain_model
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids, mask), both (B, max_len), padded on the left for generation."""
     width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        if seq:
-            ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-            mask[i, width - len(seq):] = 1
+    ids = torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
     return ids, mask
 
 
@@ -77,12 +73,9 @@ class SamplingParams:
 
 
 def paired_noise_generator(seed: int, step: int, process_index: int, device, stream: str = "rollout") -> torch.Generator:
-    """The sampling noise of one step (`rollout.paired_noise`), seeded by (seed, step, process index).
-
-    Two runs with the same seed then draw the same Gumbel noise step for step (common random numbers): their
-    samples are identical wherever their policies agree, so a difference between the runs is the policies'
-    and not the noise's. The process index keeps processes from ever sharing noise. `stream` names a separate
-    sequence of noise (the sampled evaluation's is "val"), so that one use never shifts another's."""
+    """The sampling noise of one step (`rollout.paired_noise`), seeded by (seed, step, process index): two runs
+    with the same seed draw the same noise (common random numbers), so their samples differ only where their
+    policies do. `stream` names a separate sequence ("val": the sampled evaluation's), so no use shifts another."""
     digest = hashlib.sha256(f"{stream}/{seed}/{step}/{process_index}".encode()).digest()
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
@@ -128,8 +121,7 @@ def cut_responses(seq: Sequences, stop_ids: int | tuple[int, ...]) -> torch.Tens
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | tuple[int, ...]) -> torch.Tensor:
-    """(B, R) long mask: 1 up to and including the first stop token (any of `eos_token_ids`), 0 after it. A
-    pad id counts as the end only when it is one of the stop ids."""
+    """(B, R) long mask: 1 up to and including the first stop token (any of `eos_token_ids`), 0 after it."""
     is_eos = is_stop_token(response_ids, eos_token_ids).long()
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos  # EOS tokens strictly before position t
     return (eos_before == 0).long()
@@ -138,21 +130,14 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | tupl
 def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
              params: SamplingParams, all_finished=None, generator: torch.Generator | None = None,
              return_logprobs: bool = False) -> Sequences:
-    """Sample (or greedily decode) one response per left-padded prompt: the prompts and responses as `Sequences`.
-
-    rlhf.decode's loops over a KV cache: the passes of `model.generate` (greedy output is identical,
-    tests/test_rollout.py) without its per-token machinery. A sequence ends at the first of its stop_token_ids;
-    decoding stops when every sequence has (`all_finished((B,) bool finished) -> bool` may widen that to other
-    processes' sequences) or after max_new_tokens. `generator` is the noise's source (`paired_noise_generator`;
-    None: the global random state). `return_logprobs` keeps `Sequences.logprobs`: each sampled token's log-prob
-    under softmax(logits / temperature) before any top-k/top-p filter, as the trainer's forward pass computes it.
-    """
+    """Sample (or greedily decode) one response per left-padded prompt with rlhf.decode's loops (greedy: the tokens
+    of `model.generate`, tests/test_rollout.py). A sequence ends at its first stop token (stop_token_ids); decoding
+    stops when all have, or after max_new_tokens; `all_finished((B,) bool finished) -> bool` may widen "all" to
+    other processes' sequences. `return_logprobs` keeps Sequences.logprobs, before any top-k/top-p filter."""
     model = plain_model(model)  # a LoRA policy samples through its transformers model, adapters in place
     eos = None if params.ignore_eos else stop_token_ids(model, tokenizer)
-    # inference_mode is lighter than no_grad for the many small per-token ops (4-9% of sampling time here); the
-    # tokens are cloned out of it below. Not for FSDP2-sharded models (the parameters they gather would become
-    # inference tensors, which FSDP's in-place updates refuse), nor under autocast (every token would cast every
-    # weight again: 0.21 s per token against 0.11 s under no_grad at Qwen2.5-0.5B's width on CPU).
+    # inference_mode saves 4-9% of sampling time over no_grad (the tokens are cloned out of it below); not under
+    # FSDP2 (its in-place updates refuse the gathered inference tensors), nor autocast (recasts weights per token).
     lighter = not isinstance(model, FSDPModule) and not torch.is_autocast_enabled(prompt_ids.device.type)
     pick, all_finished = functools.partial(next_token, params=params, generator=generator), all_finished or torch.all
     with torch.inference_mode() if lighter else torch.no_grad(), decode.cache_kept(model), \
@@ -166,7 +151,6 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
                                                              pick, params.temperature, eos, tokenizer.pad_token_id,
                                                              return_logprobs, all_finished)
     response_ids = response_ids.clone()
-    # ignore_eos (no stop ids): every sampled token is part of the response
     response_mask = torch.ones_like(response_ids) if eos is None else response_mask_from_ids(response_ids, eos)
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
     kept = torch.where(response_mask.bool(), logprobs.clone(), 0.0) if return_logprobs else None
