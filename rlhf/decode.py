@@ -49,9 +49,8 @@ STOP_CHECK_EVERY = 8  # tokens between two host reads of "has every sequence sto
 
 
 def unsupported(model) -> str | None:
-    """Why `decode` cannot run `model` (None when it can): another architecture, FSDP2-sharded weights (each
-    layer's forward gathers them; the step calls the layers' parts directly), another attention implementation
-    than SDPA (the reference's numbers would differ) or sliding-window layers."""
+    """Why `decode` cannot run `model`, None when it can. Sharded weights are gathered by each layer's forward, which
+    Step bypasses; another attention implementation than SDPA would not give the reference's numbers."""
     if type(model).__name__ not in ARCHITECTURES:
         return f"{type(model).__name__} is not one of {', '.join(ARCHITECTURES)}"
     if any(isinstance(m, FSDPModule) for m in model.modules()):
@@ -70,10 +69,8 @@ def supports(model) -> bool:
 
 @contextlib.contextmanager
 def cache_kept(model):
-    """Inside the block, the layers that checkpoint their activations do not: rlhf.setup makes a layer checkpoint
-    by setting its own training flag, and transformers before 5.2x (5.17, for one) then drops the KV cache in that
-    layer even without gradients, which would leave every decoding step without its past. Decoding has no backward
-    to recompute for, so nothing is lost; the flags are set back after."""
+    """Inside the block, the layers that checkpoint their activations (rlhf.setup sets their training flag) do not,
+    so that they keep the KV cache (see the module); decoding has no backward to recompute for."""
     layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and m.training]
     for layer in layers:
         layer.training = False
@@ -84,17 +81,15 @@ def cache_kept(model):
             layer.training = True
 
 
-# A decoding step's work (multiply-adds over the batch, ~ batch x parameters) below which it runs on one thread
-# where idle OpenMP threads sleep (measured on 2 cores: docs/gpu.md, "Decoding").
+# batch x parameters below which decoding runs on one thread (measured on 2 cores: docs/gpu.md, "Decoding")
 ONE_THREAD_BELOW = 10**8
 
 
 @contextlib.contextmanager
 def few_threads(model, batch_size: int):
-    """Inside the block, torch uses one thread when decoding `batch_size` rows of `model` on the CPU is small work
-    (batch x parameters < ONE_THREAD_BELOW) and idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE): each op
-    shared between threads then wakes a sleeping one with a system call, which costs more than a small op, and a
-    token is ~150 of them. With spinning threads (the default policy) sharing pays, and nothing changes."""
+    """Inside the block, torch uses one thread for small CPU work (batch x parameters < ONE_THREAD_BELOW) when idle
+    OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE): waking one for each shared op, a system call, costs more than a
+    small op, and a token is ~150 ops. Spinning threads (the default policy) are left alone."""
     threads = torch.get_num_threads()
     one = (threads > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
            and next(model.parameters()).device.type == "cpu"
@@ -116,7 +111,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick, temperature: float,
            stop_ids: tuple[int, ...] | None, pad_token_id: int, generator: torch.Generator | None = None,
-           keep_logprobs: bool = False, step_type: type[Step] | None = None, check_every: int = STOP_CHECK_EVERY):
+           keep_logprobs: bool = False, step_type: type[Step] | None = None):
     """(B, max_new_tokens) tokens, pad after a sequence's stop token and for every sequence once all have
     stopped; with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at `temperature` (0 after the stop
     of all), else None. `pick((B, V) logits) -> (B,) tokens` draws a token (rlhf.rollout.next_token), its noise
@@ -159,8 +154,8 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_t
             all_stopped_at = torch.where((all_stopped_at < 0) & finished.all(), t, all_stopped_at)
         tokens[:, t] = token
         last = t + 1 == max_new_tokens
-        if stop is not None and (last or (t + 1) % check_every == 0):
-            stopped_at = int(all_stopped_at)  # the host read: every check_every tokens, and after the last
+        if stop is not None and (last or (t + 1) % STOP_CHECK_EVERY == 0):
+            stopped_at = int(all_stopped_at)  # the host read: every STOP_CHECK_EVERY tokens, and after the last
             if stopped_at >= 0:
                 # The reference loop draws nothing after the stop: rewind the noise to the window's start, and
                 # draw again (on logits of the same shape) only what it drew up to the stop.
@@ -180,11 +175,8 @@ class StaticCache:
     """Each layer's keys and values, (B, KV heads, length, head dim), filled with the prompts' at the start."""
 
     def __init__(self, prompt_cache, length: int):
-        layers = getattr(prompt_cache, "layers", None)
-        pairs = ([(layer.keys, layer.values) for layer in layers] if layers is not None
-                 else list(zip(prompt_cache.key_cache, prompt_cache.value_cache)))  # transformers < 4.54
         self.keys, self.values = [], []
-        for keys, values in pairs:
+        for keys, values in ((layer.keys, layer.values) for layer in prompt_cache.layers):
             batch_size, num_kv_heads, prompt_width, head_dim = keys.shape
             self.keys.append(keys.new_zeros(batch_size, num_kv_heads, length, head_dim))
             self.values.append(values.new_zeros(batch_size, num_kv_heads, length, head_dim))
