@@ -38,8 +38,7 @@ def sum_over_processes(accelerator) -> ReduceSum:
 
 
 def mean_over_processes(accelerator, metrics: dict) -> dict[str, float]:
-    """Per-process numbers (floats or 0-dim tensors) -> their mean over processes (the maximum for keys
-    ending in /max, the minimum for keys ending in /min)."""
+    """Per-process numbers (floats or 0-dim tensors) -> their mean over processes (max / min for keys ending so)."""
     stacked = torch.tensor([float(v) for v in metrics.values()], dtype=torch.float32, device=accelerator.device)
     reduced = accelerator.reduce(stacked, "mean")
     is_max, is_min = ([key.endswith(suffix) for key in metrics] for suffix in ("/max", "/min"))
@@ -82,8 +81,7 @@ def stop_together(reduce_sum: ReduceSum) -> Callable[[torch.Tensor], bool]:
 
 
 def stop_rule(accelerator):
-    """generate's `all_finished`: with sharded weights (FSDP) the processes stop together (`stop_together`);
-    otherwise (None) each stops when its own sequences have."""
+    """generate's `all_finished`: the processes stop together under FSDP, else (None) each on its own."""
     # Imported here: rlhf.core_algos imports this module, and importing it stays free of accelerate's ~1 s.
     from accelerate.utils import DistributedType
 
@@ -127,17 +125,16 @@ def backward(accelerator, loss: torch.Tensor) -> bool:
 
 
 def optimizer_steps(accelerator, learners, finite: list[bool]) -> tuple[int, list[float]]:
-    """One optimizer step per learner (name, model, optimizer, max gradient norm) after clipping, taken only
-    when no process saw a non-finite loss (`finite`, per learner) and the gradient norm is finite: one decision
-    for all processes (a loss may be non-finite on one only), or the copies would drift apart. Gradients are
-    zeroed either way. Returns (skipped steps, each learner's gradient norm)."""
+    """One optimizer step per learner (name, model, optimizer, max gradient norm) after clipping, only when no
+    process saw a non-finite loss (`finite`, per learner) and the norm is finite: one decision for all processes,
+    or their copies would drift apart. Returns (skipped steps, each learner's gradient norm)."""
     num_bad = accelerator.reduce(torch.tensor([float(not ok) for ok in finite], device=accelerator.device), "sum")
     skipped, norms = 0, []
     for (name, model, optimizer, max_norm), bad in zip(learners, num_bad):
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
         if torch.isfinite(grad_norm) and bad.item() == 0:
             optimizer.step()
-        else:  # a non-finite loss or gradient never reaches the weights
+        else:
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
         norms.append(grad_norm.item())
