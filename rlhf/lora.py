@@ -85,8 +85,7 @@ def is_peft(model) -> bool:
 
 
 def plain_model(model):
-    """The transformers model inside a PEFT model (its LoRA layers in place, so the same forward), else `model`:
-    what rlhf.decode's static-cache loop recognises and runs."""
+    """The transformers model inside a PEFT model (its LoRA layers in place), else `model`: what rlhf.decode runs."""
     return model.get_base_model() if is_peft(model) else model
 
 

@@ -6,9 +6,8 @@ import torch
 
 
 class PromptOrder:
-    """Yields global batches of `batch_size` dataset indices; each epoch is a fresh permutation
-    drawn from (seed, epoch), so the order depends on nothing but these two numbers and the state
-    is just (epoch, position). A last partial batch of an epoch is dropped."""
+    """Global batches of `batch_size` dataset indices, each epoch a permutation drawn from (seed, epoch) alone, so
+    the state is (epoch, position). An epoch's last partial batch is dropped."""
 
     def __init__(self, num_examples: int, batch_size: int, seed: int):
         if num_examples < batch_size:

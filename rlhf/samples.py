@@ -11,11 +11,9 @@ from rlhf.rollout import Sequences, cut_responses
 
 
 def sample_rows(tokenizer, seq: Sequences, scored, stop_ids: int | tuple[int, ...], limit: int) -> list[dict]:
-    """The first `limit` responses of a scored batch (`scored`, rlhf.rewards.score_batch of `seq`) as
-    {prompt, response, reward, reward/<part>..., correct, length, cut}: the prompt each response answers, as the
-    model saw it (its own row of `seq`, without padding), the response decoded without special tokens, its
-    score, whether it counts as right, its number of tokens, and whether it was cut at data.max_response_length
-    (no stop token)."""
+    """The first `limit` responses of a scored batch (`scored`, rlhf.rewards.score_batch of `seq`) as rows
+    {prompt, response, reward, reward/<part>..., correct, length, cut}: the prompt as the model saw it, the response
+    without special tokens, `cut` when it ended at data.max_response_length (no stop token)."""
     num = min(limit, len(scored.scores))
     lengths = seq.response_mask[:num].sum(dim=1).tolist()
     cut = cut_responses(seq, stop_ids)[:num].tolist()
