@@ -7,11 +7,8 @@
     mini-batch) -> adaptive KL coefficient, lr schedules -> metrics
 
 The stages hand each other a `Batch` of named tensors, (B, ...) with B = this process's responses; per-token
-tensors are (B, R), entry t for response token t. What the config decides for every step is a `Plan`, worked
-out once (`plan_step`): the KL estimators parsed, and where the old log-probs come from. The math is in
-rlhf/core_algos.py and rlhf/kl; the work over several processes sits behind the named functions of
-rlhf/processes.py. ppo.py (the repository's top level) is the same algorithm in one file, and
-tests/test_ppo.py holds the two to equal losses and gradients.
+tensors are (B, R), entry t for response token t. The math is in rlhf/core_algos.py and rlhf/kl, the work over
+several processes in rlhf/processes.py. ppo.py is the same algorithm in one file (tests/test_ppo.py).
 """
 
 from __future__ import annotations
@@ -104,8 +101,7 @@ class Plan:
 
 
 def plan_step(cfg: Config, mixed_precision: str) -> Plan:
-    """The run's Plan, once the config is checked; `mixed_precision` as accelerate names it (no | bf16 | fp16).
-    The estimators are the objects the config's check parsed (kl.parse_estimator returns the same one)."""
+    """The run's Plan, once the config is checked; `mixed_precision` as accelerate names it (no | bf16 | fp16)."""
     a, ac = cfg.algorithm, cfg.actor
     reward_estimator = kl.parse_estimator(a.kl_penalty) if a.use_kl_in_reward else None
     # rollout.logprobs_from_sampler's None: on for float32 weights without mixed precision, where the sampler's
@@ -119,20 +115,16 @@ def plan_step(cfg: Config, mixed_precision: str) -> Plan:
 
 
 def rollout_full_kl(cfg: Config) -> bool:
-    """Whether the rollout computes the exact KL from both models' logits: for the KL panel, or for a `full` KL in
-    the reward (then the actor's logits are needed before the update, and its forward pass runs)."""
+    """Whether the rollout computes the exact KL from both models' logits: for the KL panel, or a `full` reward."""
     a = cfg.algorithm
     return cfg.trainer.log_kl_panel or (a.use_kl_in_reward and kl.parse_estimator(a.kl_penalty).needs_logits)
 
 
 def old_logprobs_from(cfg: Config, sampler_logprobs: bool = False) -> OldLogprobsFrom:
-    """Where a step's old log-probs come from: "forward" (the actor's forward pass over the rollout batch, the
-    timer's `old_log_prob`), "update" (the update's own, detached) or "sampler" (the decoding loop's, if kept).
-    The forward pass runs when actor.recompute_old_logprobs=always, when the actor's logits are needed before
-    the update (the KL panel, or a `full` KL in the reward), and otherwise when a KL is in the reward (it needs
-    them before the advantages) or the update is not exactly on-policy (after its first optimizer step the
-    ratio needs the rollout's weights), unless the sampler's serve. Otherwise "update": one epoch of one
-    mini-batch steps once, after every micro-batch's forward at the rollout's weights: the ratio is exactly 1."""
+    """Where a step's old log-probs come from: "forward" (the actor's forward pass over the rollout batch),
+    "update" (the update's own, detached: one epoch of one mini-batch steps once, after every micro-batch's
+    forward at the rollout's weights, so the ratio is exactly 1) or "sampler" (the decoding loop's, if kept). A
+    KL in the reward needs them before the advantages."""
     a, ac = cfg.algorithm, cfg.actor
     if ac.recompute_old_logprobs == "always" or rollout_full_kl(cfg):
         return "forward"
@@ -172,10 +164,9 @@ class Batch:
 @torch.no_grad()
 def rollout(cfg: Config, plan: Plan, accelerator, models, tokenizer, prompt_rows, group_ids: torch.Tensor,
             noise: torch.Generator | None, timer: Timer) -> Batch:
-    """Sample one response per prompt row (the noise from `noise`, or the global random state); then the forward
-    passes at the rollout's weights, in micro-batches of rollout.log_prob_micro_batch_size: the actor's (the
-    old log-probs, where plan.old_logprobs_from says "forward"), the reference's (when there is one) with the
-    exact KL both ways from both models' logits (where the plan or the panel needs it), the critic's values."""
+    """Sample one response per prompt row (the noise from `noise`, or the global random state); then, in
+    micro-batches at the rollout's weights, the forward passes the plan needs: the actor's (the old log-probs),
+    the reference's with the exact KL both ways from both models' logits, the critic's values."""
     (actor, critic, ref), r = models, cfg.rollout
     prompt_ids, prompt_mask = left_pad(prompt_rows["input_ids"], tokenizer.pad_token_id)
     params = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p, ignore_eos=r.ignore_eos)
@@ -307,10 +298,9 @@ MINI_BATCH_LOSSES = ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss")  # norm
 
 
 def update_metrics(records: dict[str, list[float]], num_minibatches: int, world: int) -> dict[str, float]:
-    """The update's metrics from every micro-batch's (and mini-batch's) records: for a loss, the mean over
-    mini-batches of the sum of a mini-batch's micro-batches (x world: each process holds its share of the
-    global mini-batch's loss, and train_step averages over processes); for keys ending in /max the maximum;
-    for the others the mean."""
+    """The update's metrics from every micro-batch's records: a loss is the mean over mini-batches of the sum of
+    their micro-batches (x world: train_step averages the processes' shares); /max keys the maximum; others the
+    mean."""
     return {key: sum(values) * world / num_minibatches if key in MINI_BATCH_LOSSES else
             max(values) if key.endswith("/max") else sum(values) / len(values) for key, values in records.items()}
 
