@@ -31,8 +31,7 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Sum of `x` over the positions where `mask` is set (over all dims if `dim` is None). Masked-out entries are
-    replaced by 0 with `torch.where`, not multiplied by the mask, so NaN * 0 = NaN cannot leak from padding."""
+    """Sum of `x` where `mask` is set (over all dims if `dim` is None); torch.where, not x * mask: NaN * 0 is NaN."""
     x = torch.where(mask.bool(), x, torch.zeros_like(x))
     return x.sum() if dim is None else x.sum(dim)
 
@@ -43,39 +42,28 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return masked_sum(x, mask, dim) / num_valid.to(x.dtype).clamp(min=1)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of `x` over all valid positions (a scalar); `unbiased`: Bessel's correction n / (n - 1) where
-    n > 1 (one valid entry gives the biased 0, an empty mask 0)."""
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The biased variance of `x` over all valid positions (a scalar); 0 for an empty mask."""
     mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    if unbiased:
-        num_valid = mask.sum().to(var.dtype)
-        var = torch.where(num_valid > 1, var * num_valid / (num_valid - 1).clamp(min=1), var)
-    return var
+    return masked_mean((x - mean) ** 2, mask)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum = one_process,
-                  shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """`x` (B, T) at zero mean (unless not `shift_mean`) and unit variance over the valid tokens of every process:
-    their mean and unbiased variance, summed by `reduce_sum` (rlhf.processes), so that N processes whiten as one
-    holding the whole batch would (verl whitens on the driver). Masked-out positions are returned as 0."""
+                  eps: float = 1e-8) -> torch.Tensor:
+    """`x` (B, T) at zero mean and unit unbiased variance over the valid tokens of all processes (their sums by
+    `reduce_sum`, rlhf.processes), as verl whitens the whole batch on its driver; 0 where masked."""
     valid = mask.bool()
     total, count = reduce_sum(torch.stack([torch.where(valid, x, 0.0).sum(), valid.sum().to(x.dtype)]))
     mean = total / count.clamp(min=1)
     square_sum = reduce_sum(torch.where(valid, (x - mean) ** 2, 0.0).sum())
-    var = square_sum / (count - 1).clamp(min=1)  # Bessel's correction; one valid token: 0, as masked_var
-    whitened = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(valid, whitened, 0.0)
+    var = square_sum / (count - 1).clamp(min=1)  # Bessel's correction; one valid token: 0
+    return torch.where(valid, (x - mean) * torch.rsqrt(var + eps), 0.0)
 
 
 def sequence_mean(values: torch.Tensor, response_mask: torch.Tensor, reduce_sum: ReduceSum = one_process) -> float:
-    """Mean over each sequence's valid tokens, then over the sequences of all processes: (B, R) -> float.
-
-    This is how verl reduces the reward KL (`actor/reward_kl_penalty`, and what the adaptive controller
-    sees): every response counts once whatever its length, so the controller's target_kl means the same
-    as in verl. A token mean would weight long responses more."""
+    """Mean over each sequence's valid tokens, then over the sequences of all processes: (B, R) -> float. verl
+    reduces the reward KL so (`actor/reward_kl_penalty`, what the adaptive controller sees): every response counts
+    once whatever its length, so target_kl means what it does in verl."""
     per_sequence = masked_mean(values.float(), response_mask, dim=-1)  # (B,)
     total, count = reduce_sum(torch.stack([per_sequence.sum(), per_sequence.new_tensor(len(per_sequence))]))
     return (total / count.clamp(min=1)).item()
@@ -87,10 +75,8 @@ def sequence_mean(values: torch.Tensor, response_mask: torch.Tensor, reduce_sum:
 def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl_per_token: torch.Tensor | None = None,
                   kl_coef: float = 0.0) -> torch.Tensor:
     """(B,) scores and (B, R) mask -> (B, R) rewards: each score on its response's last valid token, and, with
-    `kl_per_token`, -kl_coef * kl on every valid token (Ziegler et al. 2019; verl's apply_kl_penalty).
-
-    Masked-out tokens get 0 whatever kl holds there. A response with no valid token puts its score on
-    position 0, where GAE ignores it."""
+    `kl_per_token`, -kl_coef * kl on every valid token (Ziegler et al. 2019; verl's apply_kl_penalty). A response
+    with no valid token puts its score on position 0, where GAE ignores it."""
     rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
     last = (response_mask.sum(dim=1) - 1).clamp(min=0)
     rewards[torch.arange(len(scores), device=rewards.device), last] = scores.float()
@@ -105,14 +91,12 @@ def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl_per_toke
 @torch.no_grad()
 def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
                 lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016) over response tokens, all (B, T); the reward at t
-    is the reward for emitting token t (the KL penalty on every token, the score on the last valid one):
+    """Generalised advantage estimation (Schulman et al. 2016) over the valid response tokens, all (B, T):
 
         delta_t = r_t + gamma * V_next(t) - V_t,   A_t = delta_t + gamma * lam * A_next(t)
 
-    The recursion runs over the valid tokens only: after the last one the next value is 0 (the episode ends),
-    a masked token in the middle is skipped, and rewards and values at masked-out positions are ignored (NaN is
-    fine there). Returns (advantages, returns = advantages + values), 0 where masked; not whitened (`gae` is).
+    with next(t) the next valid token (V = A = 0 past the last: the episode ends). Returns (advantages, returns =
+    advantages + values), 0 where masked; not whitened (`gae` is).
     """
     valid = response_mask.bool()
     num_seqs, num_steps = values.shape
@@ -131,16 +115,14 @@ def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask
     return advantages, returns
 
 
-# name -> fn(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum)
-# -> (advantages, returns), all (B, T), the advantages final (gae's whitened over the processes that `reduce_sum`
-# sums over); verl's `algorithm.adv_estimator` names.
+# verl's `algorithm.adv_estimator` names -> fn(token_rewards, values, response_mask, group_ids, gamma, lam,
+# norm_by_std, reduce_sum) -> the final (advantages, returns), all (B, T).
 ADV_ESTIMATOR_REGISTRY = Registry("advantage estimator", "estimators")
 
 
 @ADV_ESTIMATOR_REGISTRY.register("gae")
 def _gae_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
-    """GAE with the critic's values (`compute_gae`), the advantages whitened over the valid tokens of all
-    processes (`masked_whiten`), as verl does; the returns are GAE's."""
+    """compute_gae's advantages, whitened over all processes' valid tokens as verl does, and its returns."""
     advantages, returns = compute_gae(token_rewards, values, response_mask, gamma, lam)
     return masked_whiten(advantages, response_mask, reduce_sum), returns
 
@@ -223,12 +205,9 @@ LOSS_AGG_REGISTRY = Registry("loss_agg_mode", "modes")
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens=None, num_seqs=None,
              norm_len=None) -> torch.Tensor:
-    """Aggregate a (B, T) per-token loss into a scalar by `mode` (one of LOSS_AGG_MODES: each says how).
-
-    For gradient accumulation, pass the whole mini-batch's `num_tokens` / `num_seqs` (and `norm_len`) when
-    aggregating a micro-batch, so that the micro-batch losses sum to the mini-batch's loss; by default they are
-    the micro-batch's own (a sequence with no valid token still counts in B).
-    """
+    """Aggregate a (B, T) per-token loss into a scalar by `mode` (one of LOSS_AGG_MODES: each says how). On a
+    micro-batch, pass the mini-batch's `num_tokens` / `num_seqs` (and `norm_len`) so that the micro-batch losses
+    sum to the mini-batch's; by default they are the micro-batch's own (an empty sequence counts in B)."""
     return LOSS_AGG_REGISTRY[mode](loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
 
@@ -252,25 +231,17 @@ def _agg_token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=Non
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_ratio: float = 0.2, clip_ratio_c: float = 3.0,
                 loss_agg_mode: str = "token-mean", **agg_kwargs) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate (Schulman et al. 2017) with dual clip (Ye et al. 2020), all (B, T) inputs.
+    """PPO clipped surrogate (Schulman et al. 2017) with dual clip (Ye et al. 2020), all (B, T) inputs:
 
         ratio = exp(logprobs - old_logprobs)
         loss  = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio, 1 + clip_ratio))
         loss  = min(loss, -A * clip_ratio_c)       only where A < 0 (dual clip)
 
-    For A < 0 the plain PPO loss grows without bound in the ratio; the dual clip caps it at
-    -A * clip_ratio_c, as verl does, so one stale sample cannot dominate the step. Where a clipped term is
-    taken the gradient is 0. The ratio is formed in float32 from the log-ratio clamped to [-20, 20], so
-    exp cannot overflow.
-
-    `agg_kwargs` (num_tokens, num_seqs, norm_len) go to `agg_loss`. Metrics, as verl's: the shares of valid tokens
-    where the clip (`actor/pg_clipfrac`) and the dual clip (`_lower`) were taken, `actor/ppo_kl` the k1 estimate
-    of KL(old || new).
+    For A < 0 the plain PPO loss grows without bound in the ratio; the dual clip caps it, as verl does, so one
+    stale sample cannot dominate the step. Metrics as verl's; `actor/ppo_kl` is the k1 estimate of KL(old || new).
     """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
     advantages = advantages.float()
-    log_ratio = (logprobs.float() - old_logprobs.float()).clamp(-20.0, 20.0)
+    log_ratio = (logprobs.float() - old_logprobs.float()).clamp(-20.0, 20.0)  # so that exp cannot overflow
     ratio = torch.exp(log_ratio)
 
     unclipped = -advantages * ratio
@@ -295,24 +266,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
-               cliprange_value: float | None = 0.2, loss_agg_mode: str = "token-mean",
+               cliprange_value: float = 0.2, loss_agg_mode: str = "token-mean",
                **agg_kwargs) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss, all (B, T) inputs: 0.5 * max((v - R)^2, (clip(v, v_old ± eps) - R)^2).
-
-    The clip keeps the critic within `cliprange_value` of the values it had at rollout time, as in the
-    original PPO code (openai/baselines ppo2); `cliprange_value=None` disables it. Metrics:
-    `critic/vf_loss`, `critic/vf_clipfrac` (fraction of valid tokens where the clipped term was taken).
-    """
-    values, returns = values.float(), returns.float()
+    """Clipped value loss, all (B, T) inputs: 0.5 * max((v - R)^2, (clip(v, v_old ± cliprange_value) - R)^2),
+    which keeps the critic near its rollout-time values, as the original PPO code (openai/baselines ppo2)."""
+    values, returns, old_values = values.float(), returns.float(), old_values.float()
     unclipped = (values - returns) ** 2
-    if cliprange_value is None:
-        clipped = unclipped
-    else:
-        old_values = old_values.float()
-        # Clip v itself, as verl does: old + clamp(v - old) is not exactly v in float32 even when v is in
-        # range, which would count in-range tokens as clipped.
-        values_clipped = values.clamp(old_values - cliprange_value, old_values + cliprange_value)
-        clipped = (values_clipped - returns) ** 2
+    # Clip v itself, as verl does: old + clamp(v - old) is not exactly v in float32 even when v is in range,
+    # which would count in-range tokens as clipped.
+    values_clipped = values.clamp(old_values - cliprange_value, old_values + cliprange_value)
+    clipped = (values_clipped - returns) ** 2
     vf_losses = 0.5 * torch.maximum(unclipped, clipped)  # (B, T)
 
     loss = agg_loss(vf_losses, response_mask, loss_agg_mode, **agg_kwargs)
@@ -365,9 +328,8 @@ def check_loss_agg_mode(mode: str) -> None:
 
 
 def _row_blocks(shape: torch.Size):
-    """Index tuples over the leading dims of a (B, T, V) tensor, each block at most `LOGITS_CHUNK_ROWS` rows:
-    whole sequences where T fits, else slices of one sequence. Blocks of the tensor as it is, so that a slice
-    of the model's logits ((B, R, V) of (B, R + 1, V)) is never copied whole to be flattened."""
+    """Index tuples over the leading dims of a (B, T, V) tensor, each block at most `LOGITS_CHUNK_ROWS` rows of the
+    tensor as it is, so that a slice of the logits ((B, R, V) of (B, R + 1, V)) is never copied whole to flatten."""
     num_seqs, num_steps = shape[0], shape[1]
     if num_steps <= LOGITS_CHUNK_ROWS:
         per_block = max(1, LOGITS_CHUNK_ROWS // max(num_steps, 1))
@@ -412,8 +374,7 @@ class _LabelLogprobs(torch.autograd.Function):
 
 class _Entropy(torch.autograd.Function):
     """Entropy of softmax(z / T), block by block, keeping only the logits for the backward (no float32 copy):
-    with log p = log softmax(z / T) and H = -sum p log p, dH/dz = -p (log p + H) / T, recomputed a block at a time.
-    Tokens of probability 0 (-inf logits) contribute 0 to both."""
+    with log p = log softmax(z / T) and H = -sum p log p, dH/dz = -p (log p + H) / T, recomputed a block at a time."""
 
     @staticmethod
     def _p_logp(logp):
@@ -442,22 +403,14 @@ class _Entropy(torch.autograd.Function):
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature) at `labels`: (B, T, V) any float dtype, (B, T) -> (B, T) float32.
-
-    Equal to `log_softmax(logits.float() / temperature).gather(-1, labels)` without a float32 (B, T, V) tensor,
-    forward or backward: the label logit is gathered first, the log-normaliser is a logsumexp over blocks of
-    rows converted to float32 one at a time, and the backward recomputes each block's softmax from the logits,
-    which are all it keeps.
-    """
+    """log softmax(logits / temperature) at `labels`: (B, T, V) any float dtype, (B, T) -> (B, T) float32; equal to
+    `log_softmax(logits.float() / temperature).gather(-1, labels)` without a float32 (B, T, V) tensor."""
     return _LabelLogprobs.apply(logits, labels, float(temperature))
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per position: (B, T, V) any float dtype -> (B, T) float32.
-
-    Blocks of rows in float32, forward and backward (which recomputes from the logits, all it keeps). Tokens with
-    -inf logits (probability 0) contribute 0, not NaN.
-    """
+    """Entropy of softmax(logits / temperature) per position: (B, T, V) any float dtype -> (B, T) float32, without
+    a float32 (B, T, V) tensor; tokens with -inf logits (probability 0) contribute 0, not NaN."""
     return _Entropy.apply(logits, float(temperature))
 
 
@@ -466,14 +419,11 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 
 @torch.no_grad()
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var[returns - values] / Var[returns] over valid tokens: 1 is a perfect critic, <= 0 a useless one.
-
-    Follows scikit-learn's `explained_variance_score(force_finite=True)` at the edges: 1.0 when both
-    variances are 0, 0.0 when only Var[returns] is, so the logged metric is always finite.
-    """
+    """1 - Var[returns - values] / Var[returns] over valid tokens: 1 is a perfect critic, <= 0 a useless one;
+    finite at the edges, as scikit-learn's `explained_variance_score(force_finite=True)`."""
     values, returns = values.float(), returns.float()
-    var_returns = masked_var(returns, mask, unbiased=False).item()
-    var_residual = masked_var(returns - values, mask, unbiased=False).item()
+    var_returns = masked_var(returns, mask).item()
+    var_residual = masked_var(returns - values, mask).item()
     if var_returns == 0.0:
         return 1.0 if var_residual == 0.0 else 0.0
     return 1.0 - var_residual / var_returns

@@ -21,12 +21,8 @@ def unknown_name_error(kind: str, name, valid: Iterable[str], plural: str = "nam
 
 
 class Registry(dict):
-    """Name -> function, in registration order; `kind` and `plural` name them in errors.
-
-    `@registry.register(name, *aliases)` registers a function under each name; a name already taken or
-    `reserved` raises ValueError. `registry[name]` returns the function and `registry.check(name)` the name,
-    both raising unknown_name_error for a name that is not registered.
-    """
+    """Name -> function, in registration order; `kind` and `plural` name them in errors. A name taken or `reserved`
+    cannot be registered, and `registry[name]` of one not registered raises unknown_name_error."""
 
     def __init__(self, kind: str, plural: str = "names", reserved: Callable[[str], bool] = lambda name: False):
         super().__init__()
@@ -46,8 +42,7 @@ class Registry(dict):
 
     def check(self, name: str) -> str:
         """`name` unchanged if registered; unknown_name_error otherwise."""
-        if name not in self:
-            raise unknown_name_error(self.kind, name, self, self.plural)
+        self[name]  # raises through __missing__
         return name
 
     def __missing__(self, name: str):

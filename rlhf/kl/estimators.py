@@ -37,12 +37,9 @@ _OFF_POLICY: dict[Estimator, str] = {}
 
 
 def register_estimator(name: str, *aliases: str, off_policy: str = DETACHED) -> Callable[[Estimator], Estimator]:
-    """Register a base estimator `(logprob, ref_logprob) -> same shape` under `name` and its aliases (not `full`,
-    nor a name ending in `+`, the straight-through form). `off_policy` is how kl_penalty weights it on tokens
-    sampled from pi_old (one of OFF_POLICY_RULES): IN_GRAPH only for an estimator with E_{x~pi}[value] ==
-    KL(pi || ref) for every pi and no clamp, since the gradient of E_old[rho X] = E_pi[X] is then exactly
-    grad KL(pi || ref); DETACHED keeps the estimator's on-policy expected gradient; AS_PLUS gives grad KL(pi ||
-    ref) by k2's gradient."""
+    """Register a base estimator `(logprob, ref_logprob) -> same shape` under `name` and its aliases. `off_policy`
+    (one of OFF_POLICY_RULES) is how kl_penalty weights it on tokens sampled from pi_old: IN_GRAPH only for one with
+    E_pi[value] == KL(pi || ref) for every pi and no clamp, as then grad E_old[rho X] = grad KL(pi || ref)."""
     if off_policy not in OFF_POLICY_RULES:
         raise ValueError(f"off_policy {off_policy!r}; valid: {', '.join(OFF_POLICY_RULES)}")
 
@@ -106,9 +103,7 @@ _PLUS_RULE = (
 
 
 def _parse(name: str, allow_full: bool = True) -> "KLEstimator":
-    """An estimator's name -> its KLEstimator. TypeError for a non-str; ValueError naming the input, every valid
-    name and the `+` rule for an unknown one, for `full+` (`full` already has the exact gradient) and, without
-    `allow_full`, for `full` (kl_penalty takes sampled log-probs, and `full` needs both models' logits)."""
+    """An estimator's name -> its KLEstimator; TypeError for a non-str, ValueError saying why for a bad name."""
     if not isinstance(name, str):
         raise TypeError(f"KL estimator name must be a str, got {type(name).__name__} {name!r}")
     plus = name.endswith("+")
@@ -130,16 +125,14 @@ def _parse(name: str, allow_full: bool = True) -> "KLEstimator":
 
 @functools.lru_cache(maxsize=None)
 def parse_estimator(name: str) -> "KLEstimator":
-    """The KLEstimator of any valid name, `full` included (raises like _parse); the config's check parses each
-    configured name, and the step gets the same object back."""
+    """_parse(name), cached: the config's check and the step get the same KLEstimator, `full` included."""
     return _parse(name)
 
 
 @dataclass(frozen=True)
 class KLEstimator:
-    """An estimator name parsed once, as the step calls it: `est(logprob, ref_logprob, full_kl=None,
-    old_logprob=None)` -> the per-token term, all (B, T): kl_penalty's, or for `full` (`needs_logits`) the exact
-    KL the caller brings, full_kl(logits, ref_logits, temperature), which needs no importance weight."""
+    """An estimator name parsed once; a call gives the per-token term, all (B, T): kl_penalty's, or for `full` the
+    exact KL the caller brings (full_kl(logits, ref_logits, temperature), which needs no importance weight)."""
 
     name: str  # as configured, e.g. "low_var_kl+"
     needs_logits: bool  # `full`: computed from both models' logits (full_kl), not from sampled log-probs
@@ -170,27 +163,18 @@ class KLEstimator:
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str,
                old_logprob: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token KL estimate, elementwise: logprob, ref_logprob (B, T) or any equal shape -> same shape, in
-    float32 for half-precision inputs. Same name and argument order as verl's kl_penalty.
-
-    `estimator` is one of ESTIMATOR_NAMES (the table in rlhf.kl's docstring); `X+` is X's value with k2's gradient,
-    `k2 - k2.detach() + X.detach()`. `old_logprob` (never differentiated), the log-prob under the policy that
-    sampled the tokens, is for a KL loss off-policy (PPO after the first optimizer step): the value is then rho * X,
-    rho = exp(clamp(logprob - old_logprob, -20, 20)) as in the policy loss, with rho in the graph or detached by
-    the estimator's rule (off_policy_rule; rlhf.kl's docstring says why), so that over x ~ pi_old the mean value is
-    X's on-policy mean and the mean gradient grad KL(pi || ref) for k1, k2, k3 and every `X+` (abs: 2 grad TV). It
-    changes the gradient even at rho == 1: uncorrected, the k1 and k3 losses do not give grad KL(pi || ref).
-    """
+    """Per-token KL estimate, elementwise: logprob, ref_logprob (B, T) or any equal shape -> same shape, in float32
+    for half-precision inputs; verl's name and argument order. `estimator` is one of ESTIMATOR_NAMES (rlhf.kl's
+    table); `X+` is X's value with k2's gradient, `k2 - k2.detach() + X.detach()`. With `old_logprob`, under the
+    policy that sampled the tokens (a KL loss off-policy; never differentiated), the value is rho * X with
+    rho = exp(clamp(logprob - old_logprob, -20, 20)), in the graph or detached by off_policy_rule (rlhf.kl: why)."""
     return _parse(estimator, allow_full=False)(logprob, ref_logprob, old_logprob=old_logprob)
 
 
 @torch.no_grad()
 def kl_panel(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Token-mean of each PANEL_ESTIMATORS estimate over mask == 1, without grad: (B, T) x 3 -> metrics.
-
-    Returns {"kl/k1", "kl/k2", "kl/k3", "kl/abs"}; the trainer adds "kl/full" from full_kl. k1 and k3 estimate
-    the same number (k1 noisier, may go negative), k2 and abs are biased (see the module table).
-    """
+    """Token mean of each PANEL_ESTIMATORS estimate over mask == 1: (B, T) x 3 -> {"kl/k1", "kl/k2", "kl/k3",
+    "kl/abs"}; the trainer adds "kl/full" (full_kl)."""
     if mask.shape != logprob.shape:
         raise ValueError(f"mask {tuple(mask.shape)} and logprob {tuple(logprob.shape)} differ")
     return {f"kl/{name}": masked_mean(kl_penalty(logprob, ref_logprob, name), mask).item() for name in PANEL_ESTIMATORS}

@@ -4,18 +4,16 @@ Chunked over rows, with a hand-written backward, so that its memory does not gro
 vocabulary sizes (Amini et al. arXiv:2504.10637 for the full-vocabulary KL).
 """
 
-import math
-
 import torch
 
 from rlhf.core_algos import upcast
 
+CHUNK_ROWS = 256  # rows of the flattened (N, V) logits taken to float32 at a time, forward and backward
+
 
 class _FullKL(torch.autograd.Function):
-    """Chunked exact KL with a hand-written backward, so autograd stores nothing of size (N, V).
-
-    With p = softmax(z/T), q = softmax(u/T): dKL/dz = p * (log p - log q - KL) / T, dKL/du = (q - p) / T.
-    """
+    """(N, V) x 2 -> (N,), with a hand-written backward so that autograd stores nothing of size (N, V): with
+    p = softmax(z/T), q = softmax(u/T), dKL/dz = p * (log p - log q - KL) / T and dKL/du = (q - p) / T."""
 
     @staticmethod
     def _log_probs(logits, ref_logits, temperature):
@@ -30,25 +28,25 @@ class _FullKL(torch.autograd.Function):
         return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
 
     @staticmethod
-    def forward(ctx, logits, ref_logits, temperature, chunk_size):
+    def forward(ctx, logits, ref_logits, temperature):
         num_rows, _ = logits.shape  # (N, V)
         out = logits.new_empty(num_rows, dtype=torch.promote_types(logits.dtype, torch.float32))
-        for i in range(0, num_rows, chunk_size):
-            logp, logq = _FullKL._log_probs(logits[i : i + chunk_size], ref_logits[i : i + chunk_size], temperature)
-            out[i : i + chunk_size] = _FullKL._terms(logp.exp(), logp, logq).sum(-1)
+        for i in range(0, num_rows, CHUNK_ROWS):
+            logp, logq = _FullKL._log_probs(logits[i : i + CHUNK_ROWS], ref_logits[i : i + CHUNK_ROWS], temperature)
+            out[i : i + CHUNK_ROWS] = _FullKL._terms(logp.exp(), logp, logq).sum(-1)
         ctx.save_for_backward(logits, ref_logits)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature = temperature
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         logits, ref_logits = ctx.saved_tensors
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        temperature = ctx.temperature
         want_logits, want_ref = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_logits = torch.zeros_like(logits) if want_logits else None
         grad_ref = torch.zeros_like(ref_logits) if want_ref else None
-        for i in range(0, logits.shape[0], chunk_size):
-            rows = slice(i, i + chunk_size)
+        for i in range(0, logits.shape[0], CHUNK_ROWS):
+            rows = slice(i, i + CHUNK_ROWS)
             logp, logq = _FullKL._log_probs(logits[rows], ref_logits[rows], temperature)
             p = logp.exp()
             g = grad_out[rows].unsqueeze(-1) / temperature  # (n, 1)
@@ -58,27 +56,17 @@ class _FullKL(torch.autograd.Function):
                 grad_logits[rows] = (g * centred).to(logits.dtype)
             if want_ref:
                 grad_ref[rows] = (g * (logq.exp() - p)).to(ref_logits.dtype)
-        return grad_logits, grad_ref, None, None
+        return grad_logits, grad_ref, None
 
 
-def full_kl(
-    logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 256
-) -> torch.Tensor:
-    """Exact KL(softmax(logits/T) || softmax(ref_logits/T)) over the last (vocab) dim: (..., V) x 2 -> (...).
-
-    Differentiable w.r.t. logits (and ref_logits if it requires grad). The flattened leading dims are processed
-    `chunk_size` rows at a time in float32 (float64 stays float64), forward and backward, so the extra memory
-    is O(chunk_size * V) whatever B * T is, which matters at real vocabularies (Qwen2.5: V = 151,936). The
-    result is float32 for half inputs. This is the `full` estimator (Amini et al. arXiv:2504.10637).
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Exact KL(softmax(logits/T) || softmax(ref_logits/T)) over the last (vocab) dim: (..., V) x 2 -> (...), in
+    float32 for half inputs (float64 stays float64), differentiable w.r.t. both. CHUNK_ROWS rows at a time, so the
+    extra memory is O(CHUNK_ROWS * V) whatever B * T is, which matters at real vocabularies (Qwen2.5: V = 151,936).
     """
-    if logits.shape != ref_logits.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and ref_logits {tuple(ref_logits.shape)} differ")
-    if logits.dim() == 0:
-        raise ValueError("full_kl needs a vocabulary dim: logits must be (..., V)")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if not (isinstance(chunk_size, int) and chunk_size >= 1):
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if logits.shape != ref_logits.shape or logits.dim() == 0:
+        raise ValueError(f"logits {tuple(logits.shape)} and ref_logits {tuple(ref_logits.shape)}: one shape "
+                         "(..., V) is needed")
     lead, vocab = logits.shape[:-1], logits.shape[-1]
-    out = _FullKL.apply(logits.reshape(-1, vocab), ref_logits.reshape(-1, vocab), float(temperature), chunk_size)
+    out = _FullKL.apply(logits.reshape(-1, vocab), ref_logits.reshape(-1, vocab), float(temperature))
     return out.reshape(lead)
