@@ -42,7 +42,8 @@ class Registry(dict):
 
     def check(self, name: str) -> str:
         """`name` unchanged if registered; unknown_name_error otherwise."""
-        self[name]  # raises through __missing__
+        if name not in self:
+            raise unknown_name_error(self.kind, name, self, self.plural)
         return name
 
     def __missing__(self, name: str):

@@ -784,6 +784,14 @@ def test_full_kl_rejects_logits_of_two_shapes_or_no_vocabulary():
         full_kl(logits[0, 0], logits[0, 0])
 
 
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf")])
+def test_full_kl_rejects_a_temperature_that_is_not_finite_and_positive(temperature):
+    logits = random_logits((2, 5), 15)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        full_kl(logits, logits, temperature)
+    assert torch.isfinite(full_kl(logits, logits, 1e-3)).all()  # just above the edge: accepted
+
+
 # ---------------------------------------------------------------------------------------------------------
 # KL-coefficient controllers
 

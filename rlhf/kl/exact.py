@@ -4,6 +4,8 @@ Chunked over rows, with a hand-written backward, so that its memory does not gro
 vocabulary sizes (Amini et al. arXiv:2504.10637 for the full-vocabulary KL).
 """
 
+import math
+
 import torch
 
 from rlhf.core_algos import upcast
@@ -67,6 +69,8 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float =
     if logits.shape != ref_logits.shape or logits.dim() == 0:
         raise ValueError(f"logits {tuple(logits.shape)} and ref_logits {tuple(ref_logits.shape)}: one shape "
                          "(..., V) is needed")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     out = _FullKL.apply(logits.reshape(-1, vocab), ref_logits.reshape(-1, vocab), float(temperature))
     return out.reshape(lead)
