@@ -109,6 +109,24 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
+def kv_cache_name(model) -> str:
+    """The name of the KV cache in `model`'s forward arguments and outputs: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name goes in 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def prompt_pass(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor):
+    """The prompts' forward pass, the model's own, keeping its KV cache: (the output, the cache); both loops start
+    with it."""
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
+                logits_to_keep=1)
+    cache = getattr(out, kv_cache_name(model), None)
+    if cache is None or cache.get_seq_length() == 0:
+        raise RuntimeError(f"{type(model).__name__} returned no KV cache; generation needs use_cache=True "
+                           "(gradient checkpointing in train mode turns it off)")
+    return out, cache
+
+
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick, temperature: float,
            stop_ids: tuple[int, ...] | None, pad_token_id: int, generator: torch.Generator | None = None,
            keep_logprobs: bool = False, step_type: type[Step] | None = None):
@@ -120,12 +138,7 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_t
     batch_size, prompt_width = prompt_ids.shape
     device = prompt_ids.device
     position_ids = position_ids_from_mask(prompt_mask)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
-                logits_to_keep=1)
-    prompt_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    if prompt_cache is None or prompt_cache.get_seq_length() == 0:
-        raise RuntimeError(f"{type(model).__name__} returned no KV cache; generation needs use_cache=True "
-                           "(gradient checkpointing in train mode turns it off)")
+    out, prompt_cache = prompt_pass(model, prompt_ids, prompt_mask, position_ids)
     cache = StaticCache(prompt_cache, prompt_width + max_new_tokens)
     logits = out.logits[:, -1]
     del out, prompt_cache
@@ -262,12 +275,6 @@ class CompiledStep(Step):
         cache.index_copy_(2, slot, new.to(cache.dtype))
 
 
-def kv_cache_name(model) -> str:
-    """The name of the KV cache in `model`'s forward arguments and outputs: transformers 5.24 renamed
-    `past_key_values` to `cache` (the old name goes in 5.40)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def reference_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick,
                      temperature: float, stop_ids: tuple[int, ...] | None, pad_token_id: int,
                      keep_logprobs: bool = False, all_finished=torch.all):
@@ -280,11 +287,7 @@ def reference_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, max_new_tokens)], dim=1)
     position_ids = position_ids_from_mask(prompt_mask)
     cache_name = kv_cache_name(model)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
-                use_cache=True, logits_to_keep=1)
-    if getattr(out, cache_name, None) is None:
-        raise RuntimeError(f"{type(model).__name__} returned no KV cache; generation needs use_cache=True "
-                           "(gradient checkpointing in train mode turns it off)")
+    out, _ = prompt_pass(model, prompt_ids, prompt_mask, position_ids)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
     stop = None if stop_ids is None else torch.tensor(stop_ids, dtype=torch.long, device=prompt_ids.device)
     tokens, logprobs = [], []

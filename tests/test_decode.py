@@ -1,9 +1,12 @@
 """The static-cache decoder (rlhf.decode.decode) against the reference loop (rlhf.decode.reference_decode):
 the same tokens, the same log-probs and the same random state afterwards, under the same noise."""
 
+import functools
+
 import pytest
 import torch
 from helpers import sample, tiny_qwen2
+from transformers import DynamicCache
 
 from rlhf import decode
 from rlhf.rollout import SamplingParams, generate, left_pad, paired_noise_generator
@@ -249,3 +252,27 @@ def test_decoding_takes_one_thread_where_sleeping_threads_would_cost_more(policy
     finally:
         torch.set_num_threads(before)
     assert torch.equal(out.response_ids, two.response_ids)
+
+
+@pytest.mark.parametrize("loop", ["static", "reference"])
+@pytest.mark.parametrize("kept", ["none", "empty"])
+def test_both_loops_refuse_a_prompt_pass_that_keeps_no_kv_cache(loop, kept, monkeypatch):
+    """A prompt pass that gives back no KV cache, or an empty one (what gradient checkpointing in train mode leaves),
+    stops either loop with the reason, instead of decoding every later token without its past."""
+    model = tiny_qwen2(64, seed=1, pad_token_id=PAD, eos_token_id=EOS)
+    name, forward = decode.kv_cache_name(model), model.forward
+
+    @functools.wraps(forward)
+    def dropping(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out[name] = None if kept == "none" else DynamicCache()
+        return out
+
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7], [3, 4]], PAD)
+    params = SamplingParams(max_new_tokens=4, greedy=True)
+    with torch.inference_mode():
+        tokens, _ = sample(model, prompt_ids, prompt_mask, params, (EOS,), PAD, reference=loop == "reference")
+        assert tokens.shape == (2, 4)  # the same model decodes with its cache kept
+        monkeypatch.setattr(model, "forward", dropping)
+        with pytest.raises(RuntimeError, match="returned no KV cache; generation needs use_cache=True"):
+            sample(model, prompt_ids, prompt_mask, params, (EOS,), PAD, reference=loop == "reference")
