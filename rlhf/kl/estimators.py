@@ -139,6 +139,11 @@ class KLEstimator:
     base: Estimator | None = field(default=None, repr=False)  # the sampled estimator; None for `full`
     plus: bool = False  # the straight-through `X+` form
 
+    @property
+    def off_policy_rule(self) -> str:
+        """How an off-policy call weights the term (one of OFF_POLICY_RULES): every `X+` detached, else the base's."""
+        return DETACHED if self.plus else _OFF_POLICY[self.base]
+
     def __call__(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, full_kl: torch.Tensor | None = None,
                  old_logprob: torch.Tensor | None = None) -> torch.Tensor:
         if self.needs_logits:
@@ -149,7 +154,7 @@ class KLEstimator:
         for other_name, other in (("ref_logprob", ref_logprob), ("old_logprob", old_logprob)):
             if other is not None and other.shape != logprob.shape:
                 raise ValueError(f"logprob {tuple(logprob.shape)} and {other_name} {tuple(other.shape)} differ")
-        rule = DETACHED if self.plus else _OFF_POLICY[self.base]
+        rule = self.off_policy_rule
         logprob, ref_logprob = upcast(logprob), upcast(ref_logprob)
         value = self.base(logprob, ref_logprob)
         if self.plus or (old_logprob is not None and rule == AS_PLUS):
@@ -208,5 +213,4 @@ def canonical(name: str) -> str:
 def off_policy_rule(estimator: str) -> str:
     """How kl_penalty(..., old_logprob=...) weights `estimator` (one of OFF_POLICY_RULES): IN_GRAPH for k1,
     AS_PLUS for k3, DETACHED for k2, abs and every `X+`. Raises like check_estimator."""
-    parsed = _parse(estimator, allow_full=False)
-    return DETACHED if parsed.plus else _OFF_POLICY[parsed.base]
+    return _parse(estimator, allow_full=False).off_policy_rule
