@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from rlhf import export, held_out, rewards
 from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, adapters_only, bad_steps_message,
-                             check_resumable, latest_checkpoint, save_checkpoint)
+                             check_resumable, latest_checkpoint, run_info, save_checkpoint)
 from rlhf.labels import kl_tags
 from rlhf.config import Config, ConfigError, check_batch_sizes, load_config, to_dict, warnings_for
 from rlhf.processes import launch_warnings
@@ -60,7 +60,7 @@ def main(cfg: Config) -> dict[str, float]:
         resume_dir = latest_checkpoint(out_dir)
         accelerator.print(f"resume_from=auto: {resume_dir or 'no checkpoint found, starting fresh'}")
     if resume_dir:
-        check_resumable(resume_dir, cfg.algorithm.adv_estimator, cfg.model.lora.rank)  # before any model loads
+        check_resumable(resume_dir, cfg)  # before any model loads
     if accelerator.is_main_process:
         os.makedirs(out_dir, exist_ok=True)
         resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False)
@@ -92,7 +92,7 @@ def main(cfg: Config) -> dict[str, float]:
     def checkpoint(step: int) -> str:
         state.step, state.prompt_order, state.kl_ctrl = step, run.prompt_order.state_dict(), run.kl_ctrl.state_dict()
         path = save_checkpoint(accelerator, out_dir, step, cfg.trainer.max_ckpt_to_keep,
-                               info={"adv_estimator": cfg.algorithm.adv_estimator, "lora_rank": cfg.model.lora.rank})
+                               info=run_info(cfg))
         if cfg.trainer.save_model_with_checkpoints:  # <checkpoint>/model, for from_pretrained (rlhf/export.py)
             export.save_model(accelerator, run, cfg, export.model_dir(path))
         return path

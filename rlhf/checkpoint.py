@@ -186,26 +186,37 @@ def adapters_only(accelerator) -> None:
     accelerator.register_load_state_pre_hook(check_saved)
 
 
-def check_resumable(path: str, adv_estimator: str, lora_rank: int = 0) -> None:
-    """Refuse a checkpoint written by a run with another advantage estimator (its models differ: a critic or
-    not) or another LoRA rank (0: full weights), naming both, before accelerate tries to load it. Checkpoints
-    without run_info.json pass."""
+def run_info(cfg: Config) -> dict:
+    """What a checkpoint's run_info.json records of its run: the settings that decide which weights a run trains
+    and what they compute, which a resume must share (check_resumable)."""
+    lora = cfg.model.lora
+    info = {"adv_estimator": cfg.algorithm.adv_estimator, "lora_rank": lora.rank}
+    if lora.rank:
+        info.update(lora_alpha=lora.alpha, lora_target_modules=sorted(lora.target_modules), lora_critic=lora.critic)
+    return info
+
+
+def check_resumable(path: str, cfg: Config) -> None:
+    """Refuse, before accelerate tries to load it, a checkpoint written by a run whose run_info differs from this
+    run's: another advantage estimator (a critic or not), another LoRA rank (0: full weights), alpha (the same
+    adapters computing another policy), target modules or critic adapters; the message names each such key.
+    Checkpoints without run_info.json pass; a key the checkpoint does not record is not compared."""
     info_path = os.path.join(path, RUN_INFO)
     if not os.path.exists(info_path):
         return
     with open(info_path) as f:
-        info = json.load(f)
-    saved_rank = info.get("lora_rank", 0)
-    if saved_rank != lora_rank:
-        raise ConfigError(f"checkpoint {path} was written by a run with model.lora.rank={saved_rank}, and this run "
-                          f"has model.lora.rank={lora_rank}: a run resumes only with the weights it trains (0: all of "
-                          f"them). Set model.lora.rank={saved_rank}, or start fresh in another trainer.output_dir.")
-    saved = info.get("adv_estimator")
-    if saved is not None and saved != adv_estimator:
-        raise ConfigError(f"checkpoint {path} was written by a run with algorithm.adv_estimator={saved}, and this "
-                          f"run has algorithm.adv_estimator={adv_estimator}: a run resumes only with the estimator "
-                          f"it started with. Set algorithm.adv_estimator={saved}, or start fresh in another "
-                          "trainer.output_dir.")
+        saved = json.load(f)
+    saved.setdefault("lora_rank", 0)
+    differing = [(key, saved[key], value) for key, value in run_info(cfg).items()
+                 if key in saved and saved[key] != value]
+    if differing:
+        keys = {"adv_estimator": "algorithm.adv_estimator", "lora_rank": "model.lora.rank",
+                "lora_alpha": "model.lora.alpha", "lora_target_modules": "model.lora.target_modules",
+                "lora_critic": "model.lora.critic"}
+        said = "; ".join(f"{keys[key]}={old} there, {new} here" for key, old, new in differing)
+        raise ConfigError(f"checkpoint {path} was written by a run with other settings ({said}): a run resumes only "
+                          "with the weights it trains and the settings they were trained with. Set them as the "
+                          "checkpoint has them, or start fresh in another trainer.output_dir.")
 
 
 class StopOnSignal:

@@ -109,6 +109,7 @@ def validate(cfg) -> None:
     checked("algorithm.kl_ctrl", controllers.check_kl_ctrl, kc.type, kc.kl_coef, kc.target_kl, kc.horizon)
 
     check_lora(cfg.model)
+    check_trained_dtype(cfg.model, core_algos.needs_critic(a.adv_estimator))
     check_batch_sizes(cfg, num_processes=1)
     task = checked("task.name", get_task, cfg.task.name)
     task_options(cfg)  # the task's own keys and their types
@@ -151,6 +152,22 @@ def check_lora(m) -> None:
     if peft_missing():
         raise ConfigError(f"model.lora.rank={lora.rank} needs the peft library, which is not installed: {INSTALL} "
                           "(or set model.lora.rank=0 to train every weight).")
+
+
+def check_trained_dtype(m, has_critic: bool) -> None:
+    """Every trained weight is float32: model.dtype other than float32 is the frozen base of a LoRA run, never a
+    model that trains whole (an AdamW update below half a bf16 ulp of its weight is lost: with lr 1e-6 that is
+    nearly every update). LoRA's adapters and a critic's value head are float32 whatever model.dtype."""
+    if m.dtype == "float32":
+        return
+    trained_whole = ("the actor" if not m.lora.rank else
+                     "the critic (model.lora.critic=false)" if has_critic and not m.lora.critic else None)
+    if trained_whole:
+        raise ConfigError(f"model.dtype={m.dtype} would train every weight of {trained_whole} in {m.dtype}, where "
+                          "AdamW updates smaller than half a unit in the last place are lost. Keep model.dtype=float32 "
+                          "and train in bf16 with trainer.mixed_precision=bf16 (float32 master weights), or train "
+                          "LoRA adapters (model.lora.rank > 0, with model.lora.critic=true for a critic), which are "
+                          "float32 over a base in model.dtype.")
 
 
 def check_batch_sizes(cfg, num_processes: int) -> None:

@@ -212,18 +212,19 @@ def adapter_base(path: str) -> str | None:
     return base
 
 
-def load_actor(cfg: Config, accelerator, run: EvalRun, model: str) -> None:
-    """Load `model` (model.dtype) onto the accelerator's device, in eval mode, as `run.models[0]`; LoRA adapters
-    are loaded onto their base model and merged into it (peft)."""
+def load_actor(accelerator, run: EvalRun, model: str) -> None:
+    """Load `model` in float32, the dtype of every trained weight (a LoRA run's model.dtype is its frozen base's),
+    onto the accelerator's device, in eval mode, as `run.models[0]`; LoRA adapters are loaded onto their base
+    model and merged into it in float32 (peft), as the export merges them."""
     from rlhf.models import load_causal_lm
 
     base = adapter_base(model)
     if base is None:
-        loaded = load_causal_lm(model, cfg.model.dtype)
+        loaded = load_causal_lm(model, "float32")
     else:
         from peft import PeftModel
 
-        loaded = PeftModel.from_pretrained(load_causal_lm(base, cfg.model.dtype), model).merge_and_unload()
+        loaded = PeftModel.from_pretrained(load_causal_lm(base, "float32"), model).merge_and_unload()
     actor = accelerator.prepare_model(loaded.eval(), evaluation_mode=True)
     run.models = (accelerator.unwrap_model(actor, keep_fp32_wrapper=False),)
 
@@ -267,7 +268,7 @@ def evaluate_models(cfg: Config, models: dict[str, str], config_path: str | None
     metrics, per_problem = {}, {}
     for role, run in runs.items():
         accelerator.print(f"{role}: {models[role]}, {len(run.val_set)} held-out problems")
-        load_actor(cfg, accelerator, run, models[role])
+        load_actor(accelerator, run, models[role])
         metrics[role], per_problem[role] = evaluate_per_problem(cfg, accelerator, run, step=0)
         run.models = ()  # the next model loads into the memory this one held
     report = {

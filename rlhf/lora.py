@@ -21,6 +21,7 @@ import re
 import torch
 
 INSTALL = 'pip install -e ".[lora]"'
+TIED = ("lm_head", "embed_tokens")  # the module names of the embeddings a tie_word_embeddings config ties
 
 
 def peft_missing() -> bool:
@@ -32,40 +33,42 @@ def peft_missing() -> bool:
     return False
 
 
-def module_names(model_path: str, value_model: bool = False) -> set[str]:
-    """The last part of every module name of the model at `model_path` ("q_proj", "mlp", ...), from its config
-    alone: the model is built on the meta device (no weights read, no memory)."""
+def check_target_modules(lora, model_path: str) -> None:
+    """ConfigError unless every name in model.lora.target_modules is a module of the model at `model_path`, and
+    none is a tied embedding (an adapter on `lm_head` or `embed_tokens` of a model whose config ties them would
+    adapt one shared weight two ways, which no merged export can hold); run before any weight loads, on the
+    model's config alone (built on the meta device: no weights read, no memory)."""
     import copy
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path, **({"num_labels": 1} if value_model else {}))
-    auto_class = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto_class.from_config(copy.deepcopy(config))
-    return {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
-
-
-def check_target_modules(lora, model_path: str) -> None:
-    """ConfigError unless every name in model.lora.target_modules is a module of the model at `model_path`;
-    run before any weight loads."""
     from rlhf.errors import ConfigError
 
-    names = module_names(model_path)
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
     missing = [name for name in lora.target_modules if name not in names]
     if missing:
         linear = sorted(n for n in names if n.endswith("_proj")) or sorted(names)
         raise ConfigError(f"model.lora.target_modules: {', '.join(missing)} is not a module of {model_path}; its "
                           f"projection layers are {', '.join(linear)} (all its module names: "
                           f"{', '.join(sorted(names))}).")
+    tied = [name for name in lora.target_modules if name in TIED and getattr(config, "tie_word_embeddings", False)]
+    if tied:
+        raise ConfigError(f"model.lora.target_modules: {', '.join(tied)} is a tied embedding of {model_path} "
+                          "(tie_word_embeddings: the input embedding and lm_head are one weight), which the merged "
+                          "export cannot hold adapted one way only; leave it out (the default targets are the "
+                          f"projection layers: {', '.join(sorted(n for n in names if n.endswith('_proj')))}).")
 
 
 def add_adapters(model, lora, seed: int, head: str | None = None):
     """`model` as a peft.PeftModel with LoRA adapters (rank, alpha, target modules of `lora`, the config's
     model.lora) on its target modules, everything else frozen, except the module named `head` (the critic's value
     head), which stays fully trainable. PEFT's initialisation (A random, B zero: the model starts unchanged) draws
-    from `seed` alone, so a run does not depend on what drew random numbers before. The adapters are float32
-    whatever the model's dtype (PEFT's default)."""
+    from `seed` alone, so a run does not depend on what drew random numbers before. What trains is float32
+    whatever the base's dtype: the adapters (PEFT's default) and the head, cast here, whose input is cast to
+    float32 (an AdamW step on a bf16 weight is lost when it is under half a bf16 ulp)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
@@ -76,7 +79,8 @@ def add_adapters(model, lora, seed: int, head: str | None = None):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
     if head is not None:
-        getattr(peft_model.get_base_model(), head).requires_grad_(True)
+        value_head = getattr(peft_model.get_base_model(), head).float().requires_grad_(True)
+        value_head.register_forward_pre_hook(lambda module, args: tuple(a.to(module.weight.dtype) for a in args))
     return peft_model
 
 
@@ -101,13 +105,15 @@ class Reference:
             return self.policy(**kwargs)
 
 
-def parameter_line(model, lora) -> str:
-    """"0.52M (trainable 0.01M, LoRA rank 8)" for a PEFT model, "0.52M" otherwise."""
+def parameter_line(model) -> str:
+    """"0.52M, trainable 0.012M float32": the parameters, and the trainable ones by dtype."""
     total = sum(p.numel() for p in model.parameters())
-    if not lora.rank:
-        return f"{total / 1e6:.2f}M"
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return f"{total / 1e6:.2f}M (trainable {trainable / 1e6:.3f}M, LoRA rank {lora.rank})"
+    by_dtype: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+    trainable = ", ".join(f"{n / 1e6:.3f}M {str(dtype).removeprefix('torch.')}" for dtype, n in by_dtype.items())
+    return f"{total / 1e6:.2f}M, trainable {trainable or 'none'}"
 
 
 # ----------------------------------------------------------------------------- merge for export
@@ -119,8 +125,9 @@ _LORA = re.compile(r"^(.*)\.lora_([AB])\.[^.]+\.weight$")
 def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """A PEFT model's state dict (names under base_model.model., each adapted layer's frozen weight as
     `<layer>.base_layer.weight` beside `<layer>.lora_A.<adapter>.weight` (r, in) and `lora_B` (out, r)) ->
-    the plain transformers state dict, every adapted weight W + scaling * B @ A (scaling = alpha / rank),
-    computed in float32 and returned in W's dtype."""
+    the plain transformers state dict in float32, every adapted weight W + scaling * B @ A (scaling = alpha /
+    rank). float32, not the base's dtype: a small adapter's change is below half a bf16 ulp of most weights, so
+    rounding W + BA to bf16 would lose most of it (docs/training.md#your-trained-model)."""
     plain, factors = {}, {}
     for name, value in state.items():
         name = name.removeprefix(_PREFIX)
@@ -128,11 +135,9 @@ def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, to
         if found:
             factors.setdefault(found.group(1), {})[found.group(2)] = value
         else:
-            plain[name.replace(".base_layer.", ".")] = value
+            plain[name.replace(".base_layer.", ".")] = value.float() if value.is_floating_point() else value
     for layer, ab in factors.items():
-        weight = plain[f"{layer}.weight"]
-        delta = scaling * (ab["B"].float() @ ab["A"].float())
-        plain[f"{layer}.weight"] = (weight.float() + delta).to(weight.dtype)
+        plain[f"{layer}.weight"] = plain[f"{layer}.weight"] + scaling * (ab["B"].float() @ ab["A"].float())
     return plain
 
 

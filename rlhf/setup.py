@@ -43,10 +43,12 @@ class Setup:
 def setup(cfg: Config, accelerator: Accelerator) -> Setup:
     """The task's data and models (prepare_data_and_models), optimizers, prompt order, KL controller and reward."""
     tokenizer, train_set, val_set, actor, critic, ref = prepare_data_and_models(cfg, accelerator)
+    adapters = f" (LoRA rank {cfg.model.lora.rank})" if cfg.model.lora.rank else ""
+    critic_line = f"; critic parameters: {lora.parameter_line(critic)}" if critic is not None else ""
     accelerator.print(f"train prompts: {len(train_set)}, held-out: {len(val_set)}, "
-                      f"actor parameters: {lora.parameter_line(actor, cfg.model.lora)}, "
                       f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value}), "
-                      f"device: {accelerator.device}")
+                      f"device: {accelerator.device}\n"
+                      f"actor parameters: {lora.parameter_line(actor)}{adapters}{critic_line}")
     run = build_setup(cfg, accelerator, tokenizer, train_set, val_set, actor, critic, ref)
     run.val_metrics = get_task(cfg.task.name).val_metrics(cfg, val_set)
     return run

@@ -178,7 +178,9 @@ def test_static_cache_decoder_under_adapters_equals_the_reference_loop(lora_run)
 @pytest.mark.parametrize("case", [
     ("algorithm.adv_estimator=gae", "model.lora.critic=true"),
     ("algorithm.adv_estimator=grpo", "rollout.n=2", "actor.use_kl_loss=true", "actor.kl_loss_type=full"),
-    ("model.dtype=bfloat16", "trainer.mixed_precision=bf16", "model.gradient_checkpointing=true"),
+    ("model.dtype=bfloat16", "model.lora.critic=true", "trainer.mixed_precision=bf16",
+     "model.gradient_checkpointing=true"),
+    ("model.dtype=bfloat16", "model.lora.critic=true"),  # no autocast: the float32 value head takes bf16 states
 ])
 def test_ppo_and_grpo_steps_train_the_adapters_only(artifacts, tmp_path, monkeypatch, case):
     """Micro-batches (2 per mini-batch), the KL panel, a KL in the reward or the loss: the adapters (and a LoRA
@@ -336,6 +338,21 @@ def test_two_processes_under_ddp_agree_with_one(artifacts, tmp_path, monkeypatch
     for a, b in zip(one[1:], two[1:]):
         assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=0, abs=1e-6) and a["actor/pg_loss"] != 0
 
+    # The 2-process checkpoint: the CLI exports the run's own model from it, and 1 process resumes from it.
+    from safetensors.torch import load_file
+
+    from rlhf import export
+
+    last = out2 / "checkpoints" / f"step_{test_multiprocess.NUM_STEPS}"
+    assert export.cli([str(last), str(tmp_path / "exported")]) == 0
+    mine, runs = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "exported", out2 / "model"))
+    assert mine.keys() == runs.keys() and all(torch.equal(mine[k], runs[k]) for k in mine)
+    train.main(load_config(None, overrides(artifacts, out2, "token-mean", *extra, "trainer.resume_from=auto",
+                                           f"trainer.total_steps={test_multiprocess.NUM_STEPS + 1}")))
+    resumed = read_metrics(out2 / "metrics.jsonl")
+    assert resumed[:-1] == two and resumed[-1]["step"] == test_multiprocess.NUM_STEPS + 1
+    assert resumed[-1]["actor/skipped_updates"] == 0
+
 
 def test_fsdp_is_refused_with_lora_before_models_load(monkeypatch):
     from accelerate.utils import DistributedType
@@ -366,3 +383,92 @@ def test_a_lora_checkpoint_exports_as_the_run_does(artifacts, tmp_path):
         mine = load_file(os.path.join(written, sub, "model.safetensors"))
         runs = load_file(os.path.join(out, "model", sub, "model.safetensors"))
         assert mine.keys() == runs.keys() and all(torch.equal(mine[k], runs[k]) for k in mine), sub
+
+
+# ----------------------------------------------------------------------------- what trains is float32
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (["model.dtype=bfloat16"], "the actor"),
+    (["model.dtype=float16"], "the actor"),
+    (["model.dtype=bfloat16", "model.lora.rank=4"], "the critic"),  # gae: a critic, trained whole
+    (["model.dtype=bfloat16", "model.lora.rank=4", "model.lora.critic=true"], None),
+    (["model.dtype=bfloat16", "model.lora.rank=4", "algorithm.adv_estimator=grpo", "rollout.n=2"], None),
+    (["model.dtype=float32"], None),
+])
+def test_a_model_trained_whole_in_bf16_is_refused(overrides, refused):
+    if refused:
+        with pytest.raises(ConfigError, match=f"would train every weight of {refused}.*trainer.mixed_precision=bf16"):
+            load_config(None, overrides)
+    else:
+        load_config(None, overrides)
+
+
+def test_over_a_bf16_base_everything_that_trains_is_float32_and_a_small_step_moves_the_head(artifacts):
+    """A LoRA actor and critic over a bfloat16 base: the adapters and the value head are float32 (an AdamW step of
+    lr 3e-4 on a weight of 0.2 moves it; in bfloat16, whose ulp at 0.2 is 2^-10, it would be lost), the start line
+    says so, and the head takes the backbone's bfloat16 states without autocast."""
+    cfg = load_config(None, ["model.dtype=bfloat16", "model.lora.rank=4", "model.lora.critic=true"])
+    actor, critic, _ = load_models(cfg, artifacts.model_dir)
+    for model in (actor, critic):
+        trainable = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+        assert trainable and set(trainable.values()) == {torch.float32}, trainable
+        assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+        assert lora.parameter_line(model).endswith("M float32")
+    head = critic.get_base_model().score
+    assert any(n.endswith("score.weight") for n, p in critic.named_parameters() if p.requires_grad)
+    values = critic(input_ids=torch.tensor([[5, 6, 7]])).logits
+    assert values.shape == (1, 3, 1)
+    with torch.no_grad():
+        head.weight.fill_(0.2)
+    opt = torch.optim.AdamW([head.weight], lr=3e-4, weight_decay=0.0)
+    head.weight.grad = torch.ones_like(head.weight)
+    opt.step()
+    assert torch.allclose(head.weight, torch.full_like(head.weight, 0.2 - 3e-4), rtol=1e-4)
+
+
+def test_a_tied_embedding_as_a_target_is_refused_before_weights_load(artifacts, tmp_path, monkeypatch):
+    from helpers import tiny_qwen2
+
+    monkeypatch.setattr("rlhf.setup.load_causal_lm", lambda *a: pytest.fail("weights loaded before the check"))
+    for target in ("lm_head", "embed_tokens"):
+        cfg = load_config(None, ["model.lora.rank=4", f"model.lora.target_modules=[q_proj, {target}]"])
+        with pytest.raises(ConfigError, match=f"{target} is a tied embedding"):
+            load_models(cfg, artifacts.model_dir)  # the embedded model ties its embeddings
+    untied = tmp_path / "untied"
+    tiny_qwen2(tie_word_embeddings=False).save_pretrained(untied)
+    lora.check_target_modules(load_config(None, ["model.lora.rank=4", "model.lora.target_modules=[lm_head]"]).model.lora,
+                              str(untied))
+
+
+@pytest.mark.parametrize("changed, key", [
+    ("model.lora.alpha=16", "model.lora.alpha=8.0 there, 16.0 here"),
+    ("model.lora.target_modules=[q_proj, v_proj]", "model.lora.target_modules="),
+    ("model.lora.critic=true", "model.lora.critic=False there, True here"),
+    ("model.lora.rank=8", "model.lora.rank=4 there, 8 here"),
+    ("algorithm.adv_estimator=grpo", "algorithm.adv_estimator=gae there, grpo here"),
+])
+def test_resume_refuses_other_lora_settings_naming_them(tmp_path, changed, key):
+    from rlhf.checkpoint import RUN_INFO, check_resumable, run_info
+
+    written = load_config(None, ["model.lora.rank=4", "model.lora.alpha=8"])
+    (tmp_path / RUN_INFO).write_text(json.dumps(run_info(written)))
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[")):
+        check_resumable(str(tmp_path), load_config(None, ["model.lora.rank=4", "model.lora.alpha=8", changed,
+                                                          *(["rollout.n=2"] if "grpo" in changed else [])]))
+    same = ["model.lora.rank=4", "model.lora.alpha=8",  # the same modules in another order: the same adapters
+            f"model.lora.target_modules=[{', '.join(reversed(written.model.lora.target_modules))}]"]
+    check_resumable(str(tmp_path), load_config(None, same))
+
+
+def test_a_checkpoint_missing_a_trained_weight_is_refused(artifacts, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "out"
+    train.main(load_config(None, lora_overrides(artifacts, out, "trainer.total_steps=1")))
+    path = out / "checkpoints" / "step_1" / "model.safetensors"
+    weights = load_file(str(path))
+    dropped = sorted(weights)[0]
+    save_file({name: value for name, value in weights.items() if name != dropped}, str(path))
+    with pytest.raises(ConfigError, match="does not hold this LoRA run's trainable weights"):
+        train.main(load_config(None, lora_overrides(artifacts, out, "trainer.total_steps=2", "trainer.resume_from=auto")))

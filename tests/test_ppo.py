@@ -162,7 +162,8 @@ def test_old_logprobs_come_from_the_forward_pass_only_where_nothing_else_has_the
     default = load_config(None, [])
     assert step.plan_step(default, "no").keep_sampler_logprobs
     assert not step.plan_step(default, "bf16").keep_sampler_logprobs
-    assert not step.plan_step(load_config(None, ["model.dtype=bfloat16"]), "no").keep_sampler_logprobs
+    bf16_base = ["model.dtype=bfloat16", "model.lora.rank=4", "model.lora.critic=true"]
+    assert not step.plan_step(load_config(None, bf16_base), "no").keep_sampler_logprobs
     assert step.plan_step(load_config(None, ["rollout.logprobs_from_sampler=true"]), "bf16").keep_sampler_logprobs
     assert not step.plan_step(load_config(None, ["rollout.logprobs_from_sampler=false"]), "no").keep_sampler_logprobs
     plan = step.plan_step(load_config(None, ["actor.use_kl_loss=true", "actor.kl_loss_type=low_var_kl+"]), "no")
