@@ -351,6 +351,9 @@ def load_recipe(path: str, overrides=()) -> tuple[Config, LoRA | None]:
     with open(path) as f:
         raw = yaml.safe_load(f)
     section = raw.get("model", {}).pop("lora", None) or {}
+    # A LoRA recipe's model.dtype is its frozen base's: set after load_config, which without the LoRA section
+    # would refuse it as a model trained whole in that dtype.
+    base_dtype = raw["model"].pop("dtype", None) if section.get("rank") else None
 
     def dotted(tree, prefix=""):
         for key, value in tree.items():
@@ -362,6 +365,7 @@ def load_recipe(path: str, overrides=()) -> tuple[Config, LoRA | None]:
     cfg = load_config(None, [*dotted(raw), *overrides])
     if not section.get("rank"):
         return cfg, None
+    cfg.model.dtype = base_dtype or cfg.model.dtype
     return cfg, LoRA(section["rank"], tuple(section.get("target_modules", LINEARS)), bool(section.get("critic", False)))
 
 

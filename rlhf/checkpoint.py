@@ -213,7 +213,7 @@ def check_resumable(path: str, cfg: Config) -> None:
         keys = {"adv_estimator": "algorithm.adv_estimator", "lora_rank": "model.lora.rank",
                 "lora_alpha": "model.lora.alpha", "lora_target_modules": "model.lora.target_modules",
                 "lora_critic": "model.lora.critic"}
-        said = "; ".join(f"{keys[key]}={old} there, {new} here" for key, old, new in differing)
+        said = "; ".join(f"{keys[key]}={old} there, {keys[key]}={new} here" for key, old, new in differing)
         raise ConfigError(f"checkpoint {path} was written by a run with other settings ({said}): a run resumes only "
                           "with the weights it trains and the settings they were trained with. Set them as the "
                           "checkpoint has them, or start fresh in another trainer.output_dir.")

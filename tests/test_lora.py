@@ -442,11 +442,11 @@ def test_a_tied_embedding_as_a_target_is_refused_before_weights_load(artifacts, 
 
 
 @pytest.mark.parametrize("changed, key", [
-    ("model.lora.alpha=16", "model.lora.alpha=8.0 there, 16.0 here"),
-    ("model.lora.target_modules=[q_proj, v_proj]", "model.lora.target_modules="),
-    ("model.lora.critic=true", "model.lora.critic=False there, True here"),
-    ("model.lora.rank=8", "model.lora.rank=4 there, 8 here"),
-    ("algorithm.adv_estimator=grpo", "algorithm.adv_estimator=gae there, grpo here"),
+    ("model.lora.alpha=16", "model.lora.alpha=8.0 there, model.lora.alpha=16.0 here"),
+    ("model.lora.target_modules=[q_proj, v_proj]", "model.lora.target_modules=['q_proj', 'v_proj'] here"),
+    ("model.lora.critic=true", "model.lora.critic=False there, model.lora.critic=True here"),
+    ("model.lora.rank=8", "model.lora.rank=4 there, model.lora.rank=8 here"),
+    ("algorithm.adv_estimator=grpo", "algorithm.adv_estimator=gae there, algorithm.adv_estimator=grpo here"),
 ])
 def test_resume_refuses_other_lora_settings_naming_them(tmp_path, changed, key):
     from rlhf.checkpoint import RUN_INFO, check_resumable, run_info
