@@ -10,8 +10,8 @@ takes), the response length, and the step count (2, a checkpoint after each). A 
 test by itself; one whose model is of a family the test cannot make fails, naming it.
 
 The configs meant for several GPUs (the GSM8K recipes) also run under 2 processes (DDP on the CPU), and their
-2-process checkpoint is exported by the CLI and resumed by 1 process (tests marked slow:
-python -m pytest -q -m slow tests/test_configs_as_shipped.py).
+2-process checkpoint is exported by the CLI and resumed by 2 processes and by 1 (tests marked slow, which
+.ci/run runs: python -m pytest -q -m slow tests/test_configs_as_shipped.py).
 """
 
 import glob
@@ -162,3 +162,50 @@ def test_the_config_runs_as_shipped(config_path, toy_parts, tmp_path, monkeypatc
     shutil.rmtree(last)
     run(load_config(config_path, [*args, "trainer.resume_from=auto"]))
     assert_same_rows(read_metrics(out / "metrics.jsonl"), rows)
+
+
+SEVERAL_GPUS = [p for p in CONFIGS if "openai/gsm8k" in open(p).read()]  # the GPU recipes: one GPU or several
+
+
+def launch(args: list[str], tmp_path) -> None:
+    """train.py under `accelerate launch --multi_gpu --num_processes 2` (DDP; on the CPU, over gloo)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_USE_CPU"}
+    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO})
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--dynamo_backend", "no", "--main_process_port", str(port),
+               os.path.join(REPO, "train.py"), *args]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_path", SEVERAL_GPUS, ids=lambda p: os.path.basename(p))
+def test_the_recipe_runs_on_two_processes_and_its_checkpoint_exports_and_resumes(config_path, toy_parts, tmp_path,
+                                                                                   monkeypatch):
+    """2 DDP processes: the run, the CLI export of its checkpoint (the run's own export, bit for bit), a 2-process
+    resume repeating the last step, and 1 process continuing from the 2-process checkpoint."""
+    from safetensors.torch import load_file
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    args = ["--config", config_path, *shrunk(config_path, toy_parts, out, processes=2)]
+    launch(args, tmp_path)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    last = out / "checkpoints" / "step_2"
+    assert export.cli([str(last), str(tmp_path / "cli_model")]) == 0
+    mine, runs = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "cli_model", out / "model"))
+    assert mine.keys() == runs.keys() and all(torch.equal(mine[k], runs[k]) for k in mine)
+    shutil.rmtree(last)
+    launch([*args, "trainer.resume_from=auto"], tmp_path)
+    assert_same_rows(read_metrics(out / "metrics.jsonl"), rows)
+    run(load_config(config_path, [*args[2:], "trainer.resume_from=auto", "trainer.total_steps=3"]))
+    continued = read_metrics(out / "metrics.jsonl")
+    assert continued[-1]["step"] == 3 and continued[-1]["actor/skipped_updates"] == 0
