@@ -45,7 +45,7 @@ class LoraConfig:
 class ModelConfig:
     path: str = "embedded"  # "embedded" (the tiny local model, built and warm-started here), a hub name or a local path; a task that builds its own model (lab.synthetic's) does not read it
     critic_path: str | None = None  # backbone for the critic; None = same as `path`
-    dtype: str = "float32"  # float32 | bfloat16 | float16: actor/critic weights (keep float32 and use mixed precision to train in bf16)
+    dtype: str = "float32"  # float32 | bfloat16 | float16: the weights; float32 for a model trained whole (others refused: train in bf16 with trainer.mixed_precision), with LoRA the frozen base's (what trains stays float32)
     ref_dtype: str | None = None  # the frozen reference's weights; None = same as dtype
     gradient_checkpointing: bool = False  # trade compute for memory on long responses
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -160,7 +160,7 @@ class TrainerConfig:
     max_ckpt_to_keep: int = 2  # older checkpoints are deleted
     save_model_with_checkpoints: bool = False  # also write a Hugging Face model directory (model/) inside each checkpoint; <output_dir>/model/ is written at the end of every run
     export_critic: bool = False  # also export the critic (model/critic/: its backbone and value head), where there is one
-    export_dtype: str | None = None  # float32 | bfloat16 | float16: the exported weights' dtype; None = the dtype the actor was trained in
+    export_dtype: str | None = None  # float32 | bfloat16 | float16: the exported weights' dtype; None = float32, the trained weights' (a LoRA run's merged ones too; bf16 loses most of a small adapter's change: docs/training.md#your-trained-model)
     resume_from: str | None = None  # a checkpoint directory, or "auto" for the latest in output_dir
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
     log_kl_panel: bool = True  # log kl/k1, kl/k2, kl/k3, kl/abs, kl/full, kl/full_forward every step (loads the reference even with no KL on)

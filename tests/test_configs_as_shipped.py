@@ -129,6 +129,8 @@ def test_the_config_runs_as_shipped(config_path, toy_parts, tmp_path, monkeypatc
     monkeypatch.chdir(REPO)  # the configs' relative paths are relative to the repository
     out = tmp_path / "run"
     args = shrunk(config_path, toy_parts, out)
+    assert {arg.split("=")[0].removeprefix("task.options.") for arg in args} - set(SHRUNK) <= set(
+        vars(TINY_EMBEDDED))  # nothing but SHRUNK changes (task.options: the embedded default's test size)
     cfg = load_config(config_path, args)
     run(cfg)
     rows = read_metrics(out / "metrics.jsonl")
