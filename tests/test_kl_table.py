@@ -117,7 +117,8 @@ def test_k3_in_the_reward_is_reverse_minus_forward_inside_and_penalises_10_past_
 
 
 def test_k3_corrected_is_the_reverse_kl_at_every_d():
-    assert "`grad KL(pi \\|\\| ref)` at every `d` (weighted as `k3+`, bit for bit; the config check warns)" in k3_row()
+    assert ("`grad KL(pi \\|\\| ref)` at every `d` while `\\|log pi − log pi_old\\| ≤ 20`, rho's own clamp (weighted as "
+            "`k3+`, bit for bit; the config check warns)") in k3_row()
     for ds in cases():
         pi, ref = vocabulary(*ds)
         target = divergence_gradient(reverse_kl(ref), pi)

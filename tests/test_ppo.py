@@ -318,8 +318,8 @@ def assert_old_logprobs_source(cfg, batch: step.Batch, source: str):
         assert batch.old_logprobs is not None and batch.sampler_logprobs is batch.seq.logprobs
 
 
-def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None):
-    """The step's advantages and PPO epochs (at step 3) on `batch`, with SGD optimizers, in place on the models;
+def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None, at_step=3):
+    """The step's advantages and PPO epochs (at step `at_step`) on `batch`, with SGD optimizers, in place on the models;
     `seen` (a dict) gets the gradients each optimizer step starts from and the losses each backward takes.
     Returns (the batch with its advantages, metrics, skipped updates, the update's own old log-probs or None)."""
     actor, critic, ref = models
@@ -347,8 +347,8 @@ def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None):
         if seen is not None:
             patch.setattr(step, "optimizer_steps", optimizer_steps)
             patch.setattr(step, "backward", backward)
-        metrics, skipped, own_old_logprobs = step.ppo_update(cfg, plan, accelerator, models, optimizers, batch, 3,
-                                                             Timer())
+        metrics, skipped, own_old_logprobs = step.ppo_update(cfg, plan, accelerator, models, optimizers, batch,
+                                                             at_step, Timer())
     return batch, metrics, skipped, own_old_logprobs
 
 
@@ -387,21 +387,41 @@ def test_the_one_file_ppo_has_the_trainers_advantages_losses_and_gradients(setup
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5 * theirs.abs().max().item())
 
 
+UPDATE_STEP = 1  # its epochs split the 8 responses into different mini-batches (at step 3 the first two do not)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_an_update_reaches_the_weights_of_the_one_file_ppo(setup_run, case):
-    """Two epochs of two mini-batches each, from stale old log-probs: the trainer's update and ppo.update reach
-    the same weights."""
+    """Two epochs of two mini-batches each, from stale old log-probs: ppo.update visits the trainer's mini-batches
+    (step.minibatches: a fresh order each epoch) in its order, and the two updates reach the same weights."""
     cfg, accelerator, models, _, _, batch, scores = setup_run(*CASES[case])
     actor, critic, ref = models
+    ac = cfg.actor
+    order = [index.tolist() for index in step.minibatches(len(scores), ac.ppo_mini_batch_size, ac.ppo_epochs,
+                                                          cfg.trainer.seed, UPDATE_STEP)]
+    per_epoch = len(order) // ac.ppo_epochs
+    epochs = {frozenset(map(frozenset, order[e * per_epoch:(e + 1) * per_epoch])) for e in range(ac.ppo_epochs)}
+    assert ac.ppo_epochs > 1 and per_epoch > 1 and len(epochs) == ac.ppo_epochs  # no two epochs share mini-batches
     assert_old_logprobs_source(cfg, batch, SOURCES.get(case, "forward"))
     batch.old_logprobs = stale(batch)
     expected_models = copy.deepcopy(actor), copy.deepcopy(critic)
     args, expected = one_file(cfg), one_file_batch(batch, scores)
     expected["advantages"], expected["returns"] = ppo.advantages_and_returns(args, expected)
-    ppo.update(args, *expected_models, ref, [sgd(model) for model in expected_models], expected, step=3)
+    expected["row"] = torch.arange(len(scores))  # each mini-batch carries its rows' indices
+    visited, losses = [], ppo.losses
+
+    def recording_losses(args, actor, critic, ref, mb):
+        visited.append(mb["row"].tolist())
+        return losses(args, actor, critic, ref, mb)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ppo, "losses", recording_losses)
+        ppo.update(args, *expected_models, ref, [sgd(model) for model in expected_models], expected, UPDATE_STEP)
+    assert visited == order
 
     start = [weights(model) for model in (actor, critic)]
-    _, metrics, skipped, _ = trainer_update(cfg, accelerator, models, batch, scores, cfg.algorithm.kl_ctrl.kl_coef)
+    _, metrics, skipped, _ = trainer_update(cfg, accelerator, models, batch, scores, cfg.algorithm.kl_ctrl.kl_coef,
+                                            at_step=UPDATE_STEP)
     assert skipped == 0 and "critic/vf_loss" in metrics
     for model, expected_model, before in zip((actor, critic), expected_models, start):
         moved = (weights(expected_model) - before).abs().max().item()

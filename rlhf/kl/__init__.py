@@ -25,7 +25,8 @@ earlier tokens only through the return.
 
 Off-policy (PPO after the first optimizer step: x ~ pi_old, not pi), `kl_penalty(..., old_logprob=...)`
 returns rho * X in value, rho = pi(x) / pi_old(x), with a gradient whose mean over x ~ pi_old is grad KL(pi ||
-ref) at every d, for every estimator but abs (off_policy_rule):
+ref) at every d, for every estimator but abs (off_policy_rule), while rho's own exponent clamp leaves it exact
+(|log pi - log pi_old| <= 20):
 - rho in the graph for k1 (unbiased, unclamped): E_old[rho X] = KL(pi || ref) as a function of theta, so its
   gradient is exact. Not a no-op at rho = 1: the gradient gains X * grad log pi, which turns k1's 0 into
   grad KL(pi || ref).
