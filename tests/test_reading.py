@@ -92,6 +92,7 @@ def definition_of(path: str, line: int) -> str | None:
 class Trace:
     order: list = field(default_factory=list)  # (path, definition) in the order first entered
     classes: set = field(default_factory=set)  # (path, class) whose code ran or whose record was built
+    callers: list = field(default_factory=list)  # the caller (path, definition) of each in `order`; None at the top
     walk: list = field(default_factory=list)  # the file a reader is in: at each first call, the caller's, the callee's
     max_depth: int = 0
     deepest: list = field(default_factory=list)  # the chain of definitions at the maximum depth
@@ -154,6 +155,7 @@ def trace(fn, *args, **kwargs) -> tuple[object, Trace]:
             if (path, name) not in entered:
                 entered.add((path, name))
                 record.order.append((path, name))
+                record.callers.append(stack[-1][1:] if stack else None)
                 record.walk += ([stack[-1][1]] if stack else []) + [path]
             stack.append((frame, path, name))
             chain = [s for i, s in enumerate(stack) if i == 0 or s[1:] != stack[i - 1][1:]]
@@ -184,11 +186,11 @@ def step_trace(artifacts, tmp_path_factory, one_thread):
     and the run, not the config's schema) count as read."""
     cfg = load_config(None, tiny_overrides(artifacts, str(tmp_path_factory.mktemp("reading")), "trainer.logger=none"))
     accelerator = Accelerator(cpu=True)
-    run = rlhf.setup.setup(cfg, accelerator)
+    run, timer = rlhf.setup.setup(cfg, accelerator), Timer()
 
     def one_step():
         plan = step.plan_step(cfg, accelerator.mixed_precision)
-        return step.train_step(cfg, plan, accelerator, run, 1, Timer(), cfg.trainer.log_samples)
+        return step.train_step(cfg, plan, accelerator, run, 1, timer, cfg.trainer.log_samples)
 
     result, record = trace(one_step)
     assert result.samples and "kl/full" in result.metrics  # the default path: samples logged, the KL panel on
