@@ -565,6 +565,8 @@ def test_the_sampler_logprobs_are_the_old_ones_or_are_compared_with_them(setup_r
     assert step.plan_step(cfg, "no").old_logprobs_from == "sampler"
     assert sampled.old_logprobs is sampled.sampler_logprobs
     assert "timing_s/old_log_prob" not in timer.metrics() and sampled.exact_kl is None
+    metrics = step.batch_metrics(cfg, step.plan_step(cfg, "no"), accelerator, sampled, scored, tokenizer.eos_token_id)
+    assert not any(key.startswith("rollout/logprob") for key in metrics)  # nothing to compare them with
     with torch.no_grad():
         recomputed = step.logprobs_and_logits(models[0], sampled.seq, cfg.rollout.temperature)[0]
     mask = sampled.seq.response_mask.bool()

@@ -1,20 +1,21 @@
 """docs/reading.md, the reading order of one PPO step, against what runs: one step of the trainer with the
-default config (a step that logs samples, as every trainer.log_samples_freq-th does) and ppo.py's loop run under
-sys.setprofile, which records every project function entered (rlhf/ and ppo.py), in order. What a reader reads is
-counted from that record, and the page and the README quote it:
+default config (its plan, then a step that logs samples, as every trainer.log_samples_freq-th does) and ppo.py's
+loop run under sys.setprofile, which records every project function entered (rlhf/ and ppo.py), in order. What a
+reader reads is counted from that record, and the page and the README quote it:
 
 - lines: the non-blank lines of the definitions that ran (a function, or a class's method, whole: its decorators,
   docstring and comments included; a function nested in one, a lambda or a comprehension is part of it), of the
-  bodies of the classes whose methods ran or whose records were built (their fields, without the methods), and of
-  the module-level assignments those lines read (a regular expression, a constant), and so on;
+  bodies of the classes whose methods ran, whose records were built or which the step is handed (their fields,
+  without the methods), and of the module-level assignments those lines read (a regular expression, a constant),
+  and so on;
 - files: the files those lines are in;
 - file switches: following the calls in the order they first run, each definition read where it is first called
   and the reader back in its caller's file to go on, how often the file changes;
 - depth: the most project calls nested under the step (the step's own callees are at depth 1).
 
 Each row of the page's table is a span of a file (`from` a definition or a module-level name `to` another, or the
-file's top or end); its count is the traced lines inside it, every traced line is in a row, and the rows add up to the total.
-When the code moves, the failure message gives the numbers to write."""
+file's top or end); its count is the traced lines inside it, every traced line is in one row, and the rows add up
+to the total. When the code moves, the failure message gives the numbers to write."""
 
 import ast
 import os
@@ -251,6 +252,7 @@ def test_each_rows_count_is_the_traced_lines_in_it_and_every_traced_line_is_in_a
     outside = {path: sorted(x for x in lines if not any(p == path and f <= x <= l for _, p, f, l, _ in counted))
                for path, lines in traced.items()}
     assert not any(outside.values()), f"traced lines in no row: { {p: x for p, x in outside.items() if x} }"
+    assert sum(stated for *_, stated in counted) == step_trace.count()[0]  # no line in two rows
 
 
 def test_the_page_and_the_readme_quote_the_trace(step_trace):
