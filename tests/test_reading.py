@@ -93,7 +93,6 @@ def definition_of(path: str, line: int) -> str | None:
 class Trace:
     order: list = field(default_factory=list)  # (path, definition) in the order first entered
     classes: set = field(default_factory=set)  # (path, class) whose code ran or whose record was built
-    callers: list = field(default_factory=list)  # the caller (path, definition) of each in `order`; None at the top
     walk: list = field(default_factory=list)  # the file a reader is in: at each first call, the caller's, the callee's
     max_depth: int = 0
     deepest: list = field(default_factory=list)  # the chain of definitions at the maximum depth
@@ -156,7 +155,6 @@ def trace(fn, *args, **kwargs) -> tuple[object, Trace]:
             if (path, name) not in entered:
                 entered.add((path, name))
                 record.order.append((path, name))
-                record.callers.append(stack[-1][1:] if stack else None)
                 record.walk += ([stack[-1][1]] if stack else []) + [path]
             stack.append((frame, path, name))
             chain = [s for i, s in enumerate(stack) if i == 0 or s[1:] != stack[i - 1][1:]]
