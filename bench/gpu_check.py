@@ -703,8 +703,7 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str, memory: Par
     micro-batch size, with gradient checkpointing on and off."""
     import torch
 
-    from rlhf.processes import sum_over_processes
-    from rlhf.step import plan_step, ppo_update, rewards_to_advantages, rollout
+    from rlhf.step import Batch, forward_passes, plan_step, ppo_update, sample_responses
 
     device = torch.device(args.device)
     rm = memory_model()
@@ -719,13 +718,16 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str, memory: Par
         accelerator = fresh_accelerator(cfg, device)
         run = build_run(cfg, rows, accelerator)
         plan = plan_step(cfg, accelerator.mixed_precision)
-        batch = rollout(cfg, plan, accelerator, run.models, run.tokenizer, rows[list(range(responses))],
-                        torch.arange(responses, device=accelerator.device), None, PhaseProbe(device))
-        scores = torch.zeros(responses, device=accelerator.device)
-        _, batch.token_rewards, batch.advantages, batch.returns = rewards_to_advantages(
-            cfg, plan, batch, scores, run.kl_ctrl.value, sum_over_processes(accelerator))
+        seq = sample_responses(cfg, plan, accelerator, run, rows[list(range(responses))], None)
+        passes = forward_passes(cfg, plan, accelerator, run.models, seq, PhaseProbe(device))
+        # the update's memory does not depend on the advantages' values: 0 (GAE's of zero scores would be close)
+        zeros = torch.zeros(seq.response_mask.shape, device=accelerator.device)
+        batch = Batch(seq=seq, group_ids=torch.arange(responses, device=accelerator.device),
+                      old_logprobs=passes.old_logprobs, sampler_logprobs=seq.logprobs, ref_logprobs=passes.ref_logprobs,
+                      exact_kl=passes.exact_kl, exact_forward_kl=passes.exact_forward_kl, values=passes.values,
+                      token_rewards=zeros, advantages=zeros, returns=zeros)
         # AdamW's moments are made at the first optimizer step: one update first, so every size counts them
-        ppo_update(cfg, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
+        ppo_update(cfg, plan, accelerator, run, batch, 1, PhaseProbe(device))
         sweep = result["checkpointing" if checkpointing else "no_checkpointing"] = []
         for micro in sizes:
             cfg_micro = recipe_config(args, "ppo", model_dir, os.path.join(tmp, "sweep"),
@@ -739,7 +741,7 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str, memory: Par
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 start = time.perf_counter()
-                ppo_update(cfg_micro, plan, accelerator, run.models, run.optimizers, batch, 1, PhaseProbe(device))
+                ppo_update(cfg_micro, plan, accelerator, run, batch, 1, PhaseProbe(device))
                 sync(device)
                 entry["seconds"] = round(time.perf_counter() - start, 2)
                 if device.type == "cuda":

@@ -46,7 +46,7 @@ import sys
 from dataclasses import dataclass
 
 from rlhf import core_algos, kl
-from rlhf.step import rollout_full_kl
+from rlhf.step import computes_exact_kl
 from rlhf.config import Config, load_config
 from rlhf.core_algos import LOGITS_CHUNK_ROWS
 
@@ -220,7 +220,7 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
         # logits, and some 8 float32 temporaries of its 256-row chunks
         "exact KL's flat copies and chunks, log-prob pass": (
             log_micro * (rows - 1) * v * (compute + ref_compute) + 8 * min(256, log_micro * (rows - 1)) * v * 4
-            if rollout_full_kl(cfg) else 0),
+            if computes_exact_kl(cfg) else 0),
         "logits, update": micro * rows * v * compute,
         # the forward's moment: actor/entropy's block divided by the temperature, its log_softmax, exp and product
         "float32 blocks, update forward": float32_chunks(micro * (rows - 1), 4),

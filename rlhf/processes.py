@@ -6,8 +6,6 @@ evaluation, and stopping the decoding together under sharded weights (FSDP).
     token_weighted_means               per-process token means -> means over all processes' tokens
     process_share, eval_batches        which rows of the global batch and of the held-out set are this process's
     stop_together, stop_rule           generate's `all_finished` under FSDP
-    gradient_sync, backward            a micro-batch's forward and backward: DDP all-reduces on the last only
-    optimizer_steps                    one decision for all processes: step, or skip a non-finite update
     launch_warnings                    why `accelerate launch` asked for several processes started one
 
 Functions that need statistics of the whole global batch (here, in rlhf.step and in rlhf.core_algos) take
@@ -18,8 +16,6 @@ calls, whatever the world size (the tests run N processes as N threads).
 
 from __future__ import annotations
 
-import contextlib
-import math
 from typing import Callable
 
 import torch
@@ -108,35 +104,4 @@ def launch_warnings(environ, num_processes: int) -> list[str]:
             f"{why}. For N processes on a CPU: accelerate launch --multi_gpu --num_processes N train.py ... "
             "(accelerate's name; train.py runs them on the CPU over gloo), or --config_file "
             "configs/accelerate/ddp.yaml or fsdp.yaml (docs/gpu.md#several-processes-on-a-cpu)."]
-
-
-def gradient_sync(accelerator, model, last: bool):
-    """The context a micro-batch's forward and backward run in: DDP all-reduces the gradients on the last
-    micro-batch of a mini-batch only (accelerate's no_sync on the others, the forward inside it as DDP needs)."""
-    return contextlib.nullcontext() if last else accelerator.no_sync(model)
-
-
-def backward(accelerator, loss: torch.Tensor) -> bool:
-    """Backward of this process's share of a mini-batch's loss (normalised by the whole global mini-batch, so
-    that the shares add up to it); DDP averages gradients over processes, so the share is scaled by their
-    number to make that average the sum. Returns whether the loss was finite."""
-    accelerator.backward(loss * accelerator.num_processes)
-    return math.isfinite(loss.item())
-
-
-def optimizer_steps(accelerator, learners, finite: list[bool]) -> tuple[int, list[float]]:
-    """One optimizer step per learner (name, model, optimizer, max gradient norm) after clipping, only when no
-    process saw a non-finite loss (`finite`, per learner) and the norm is finite: one decision for all processes,
-    or their copies would drift apart. Returns (skipped steps, each learner's gradient norm)."""
-    num_bad = accelerator.reduce(torch.tensor([float(not ok) for ok in finite], device=accelerator.device), "sum")
-    skipped, norms = 0, []
-    for (name, model, optimizer, max_norm), bad in zip(learners, num_bad):
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-        if torch.isfinite(grad_norm) and bad.item() == 0:
-            optimizer.step()
-        else:
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-        norms.append(grad_norm.item())
-    return skipped, norms
 

@@ -53,7 +53,7 @@ class Sequences:
         return cls(prompt_ids, prompt_mask, response_ids, response_mask, torch.cat([prompt_ids, response_ids], dim=1),
                    attention_mask, decode.position_ids_from_mask(attention_mask), logprobs)
 
-    def rows(self, index) -> Sequences:
+    def select(self, index) -> Sequences:
         """The rows `index` of every tensor (a micro-batch)."""
         return Sequences(*(None if (v := getattr(self, f.name)) is None else v[index] for f in fields(self)))
 

@@ -4,15 +4,16 @@
     needed, the reference's log-probs, the exact KL, the critic's values) -> score (reward.function) -> KL in
     the reward -> advantages (GAE whitened, or grpo / rloo over each prompt's group) -> PPO epochs (clipped
     actor loss with the KL loss and the entropy bonus, clipped critic loss; one optimizer step per model and
-    mini-batch) -> adaptive KL coefficient, lr schedules -> metrics
+    mini-batch) -> adaptive KL coefficient, lr schedules -> logging (the batch's numbers, the KL panel)
 
-The stages hand each other a `Batch` of named tensors, (B, ...) with B = this process's responses; per-token
+The stages hand each other records of named tensors, (B, ...) with B = this process's responses; per-token
 tensors are (B, R), entry t for response token t. The math is in rlhf/core_algos.py and rlhf/kl, the work over
 several processes in rlhf/processes.py. ppo.py is the same algorithm in one file (tests/test_ppo.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections import defaultdict
@@ -22,8 +23,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from rlhf import core_algos, kl, rewards
-from rlhf.processes import (backward, gradient_sync, mean_over_processes, optimizer_steps, process_share, stop_rule,
-                            sum_over_processes, token_weighted_means)
+from rlhf.processes import mean_over_processes, process_share, stop_rule, sum_over_processes, token_weighted_means
 from rlhf.rollout import (SamplingParams, Sequences, cut_responses, generate, left_pad, paired_noise_generator,
                           repeat_prompts, stop_token_ids)
 from rlhf.samples import sample_rows
@@ -46,40 +46,58 @@ class StepResult:
 
 def train_step(cfg: Config, plan: Plan, accelerator, run: Setup, step: int, timer: Timer,
                num_samples: int = 0) -> StepResult:
-    """One PPO step on this process's share of the global batch (`plan` is plan_step(cfg, ...))."""
+    """One PPO step on this process's share of the global batch (`plan` is plan_step(cfg, ...)); `step` counts
+    the run's steps from 1 (it seeds the sampling noise and the mini-batches)."""
+    a, (actor, _, _) = cfg.algorithm, run.models
+    # ----------------------------------------------------------------------------- rollout
     prompts = run.train_set[process_share(run.prompt_order.next_batch(), accelerator.process_index,
                                           accelerator.num_processes)]
     prompt_rows, group_ids = repeat_prompts(prompts, cfg.rollout.n)  # each prompt's group of rollout.n responses
     noise = (paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device)
              if cfg.rollout.paired_noise else None)  # same-seed runs draw the same noise (common random numbers)
-    batch = rollout(cfg, plan, accelerator, run.models, run.tokenizer, prompt_rows,
-                    group_ids.to(accelerator.device), noise, timer)
+    with timer("gen"), accelerator.autocast():
+        seq = sample_responses(cfg, plan, accelerator, run, prompt_rows, noise)
+    passes = forward_passes(cfg, plan, accelerator, run.models, seq, timer)
     with timer("reward"):
-        scored = rewards.score_batch(run.reward, run.tokenizer, batch.seq, prompt_rows)
+        scored = rewards.score_batch(run.reward, run.tokenizer, seq, prompt_rows)
 
-    reduce_sum, metrics = sum_over_processes(accelerator), {}
-    reward_kl, batch.token_rewards, batch.advantages, batch.returns = rewards_to_advantages(
-        cfg, plan, batch, scored.scores, run.kl_ctrl.value, reduce_sum)
-    if reward_kl is not None:
-        metrics["actor/reward_kl_penalty"] = core_algos.sequence_mean(reward_kl, batch.seq.response_mask, reduce_sum)
+    # ----------------------------------------------------------------------------- advantages
+    mask, reduce_sum = seq.response_mask, sum_over_processes(accelerator)
+    reward_kl = None if plan.reward_kl is None else plan.reward_kl(passes.old_logprobs, passes.ref_logprobs,
+                                                                   passes.exact_kl)
+    token_rewards = core_algos.token_rewards(scored.scores, mask, reward_kl, run.kl_ctrl.value)
+    advantages, returns = core_algos.ADV_ESTIMATOR_REGISTRY[a.adv_estimator](
+        token_rewards, passes.values, mask, group_ids.to(mask.device), a.gamma, a.lam, a.norm_adv_by_std_in_grpo,
+        reduce_sum)
+    batch = Batch(seq=seq, group_ids=group_ids.to(mask.device), old_logprobs=passes.old_logprobs,
+                  sampler_logprobs=seq.logprobs, ref_logprobs=passes.ref_logprobs, exact_kl=passes.exact_kl,
+                  exact_forward_kl=passes.exact_forward_kl, values=passes.values, token_rewards=token_rewards,
+                  advantages=advantages, returns=returns)
+
+    # ----------------------------------------------------------------------------- PPO epochs
+    learned, skipped = ppo_update(cfg, plan, accelerator, run, batch, step, timer)
+
+    # ----------------------------------------------------------------------------- the KL coefficient, the lr
+    metrics = {}
+    if reward_kl is not None:  # verl's per-sequence mean, what the adaptive controller follows
+        metrics["actor/reward_kl_penalty"] = core_algos.sequence_mean(reward_kl, mask, reduce_sum)
         metrics["actor/reward_kl_penalty_coeff"] = run.kl_ctrl.value
-    learned, skipped, own_old_logprobs = ppo_update(cfg, plan, accelerator, run.models, run.optimizers, batch,
-                                                    step, timer)
-    metrics.update(mean_over_processes(accelerator, learned))
-    if plan.reward_estimator is not None and math.isfinite(metrics["actor/reward_kl_penalty"]):
-        run.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
-    if plan.loss_estimator is not None:
+        if math.isfinite(metrics["actor/reward_kl_penalty"]):
+            run.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
+    if plan.loss_kl is not None:
         metrics["actor/kl_coef"] = cfg.actor.kl_loss_coef
     # The lr this step's updates used; then one step of each schedule: once per PPO step, as verl.
     for name, scheduler in zip(("actor", "critic"), run.lr_schedulers):
         if scheduler is not None:
             metrics[f"{name}/lr"] = scheduler.get_last_lr()[0]
             scheduler.step()
-    stop_ids = stop_token_ids(accelerator.unwrap_model(run.models[0]), run.tokenizer)
-    old_logprobs = own_old_logprobs if plan.old_logprobs_from == "update" else batch.old_logprobs
-    metrics.update(batch_metrics(cfg, accelerator, batch, scored, old_logprobs, stop_ids))
-    samples = sample_rows(run.tokenizer, batch.seq, scored, stop_ids, num_samples) if num_samples else []
-    num_tokens = accelerator.reduce(batch.seq.attention_mask.sum().float(), "sum").item()
+
+    # ----------------------------------------------------------------------------- logging (nothing learned below)
+    metrics.update(learned)
+    stop_ids = stop_token_ids(accelerator.unwrap_model(actor), run.tokenizer)
+    metrics.update(batch_metrics(cfg, plan, accelerator, batch, scored, stop_ids))
+    samples = sample_rows(run.tokenizer, seq, scored, stop_ids, num_samples) if num_samples else []
+    num_tokens = accelerator.reduce(seq.attention_mask.sum().float(), "sum").item()
     return StepResult(metrics=metrics, skipped=skipped, num_tokens=num_tokens, samples=samples)
 
 
@@ -93,28 +111,27 @@ OldLogprobsFrom = Literal["forward", "sampler", "update"]
 class Plan:
     """What the config decides for every step (`plan_step`)."""
 
-    reward_estimator: kl.KLEstimator | None  # algorithm.kl_penalty, parsed; None without a KL in the reward
-    loss_estimator: kl.KLEstimator | None  # actor.kl_loss_type, parsed; None without a KL loss
+    reward_kl: kl.KLEstimator | None  # the KL in the reward (algorithm.kl_penalty), parsed; None without one
+    loss_kl: kl.KLEstimator | None  # the KL in the actor's loss (actor.kl_loss_type), parsed; None without one
     old_logprobs_from: OldLogprobsFrom  # where the old log-probs come from (old_logprobs_from)
     keep_sampler_logprobs: bool  # the decoding loop keeps the sampled tokens' log-probs (rollout.logprobs_from_sampler)
-    rollout_full_kl: bool  # the rollout computes the exact KL: for the KL panel, or a `full` KL in the reward
+    computes_exact_kl: bool  # the rollout computes the exact KL: for the KL panel, or a `full` KL in the reward
 
 
 def plan_step(cfg: Config, mixed_precision: str) -> Plan:
     """The run's Plan, once the config is checked; `mixed_precision` as accelerate names it (no | bf16 | fp16)."""
     a, ac = cfg.algorithm, cfg.actor
-    reward_estimator = kl.parse_estimator(a.kl_penalty) if a.use_kl_in_reward else None
     # rollout.logprobs_from_sampler's None: on for float32 weights without mixed precision, where the sampler's
     # log-probs agree with the recomputed ones to float rounding (docs/training.md, the measured mismatch).
     keep = cfg.rollout.logprobs_from_sampler
     keep = keep if keep is not None else cfg.model.dtype == "float32" and mixed_precision == "no"
-    return Plan(reward_estimator=reward_estimator,
-                loss_estimator=kl.parse_estimator(ac.kl_loss_type) if ac.use_kl_loss else None,
+    return Plan(reward_kl=kl.parse_estimator(a.kl_penalty) if a.use_kl_in_reward else None,
+                loss_kl=kl.parse_estimator(ac.kl_loss_type) if ac.use_kl_loss else None,
                 old_logprobs_from=old_logprobs_from(cfg, keep), keep_sampler_logprobs=keep,
-                rollout_full_kl=rollout_full_kl(cfg))
+                computes_exact_kl=computes_exact_kl(cfg))
 
 
-def rollout_full_kl(cfg: Config) -> bool:
+def computes_exact_kl(cfg: Config) -> bool:
     """Whether the rollout computes the exact KL from both models' logits: for the KL panel, or a `full` reward."""
     a = cfg.algorithm
     return cfg.trainer.log_kl_panel or (a.use_kl_in_reward and kl.parse_estimator(a.kl_penalty).needs_logits)
@@ -126,7 +143,7 @@ def old_logprobs_from(cfg: Config, sampler_logprobs: bool = False) -> OldLogprob
     forward at the rollout's weights, so the ratio is exactly 1) or "sampler" (the decoding loop's, if kept). A
     KL in the reward needs them before the advantages."""
     a, ac = cfg.algorithm, cfg.actor
-    if ac.recompute_old_logprobs == "always" or rollout_full_kl(cfg):
+    if ac.recompute_old_logprobs == "always" or computes_exact_kl(cfg):
         return "forward"
     on_policy = ac.ppo_epochs == 1 and ac.ppo_mini_batch_size == cfg.data.train_batch_size
     if on_policy and not a.use_kl_in_reward:
@@ -134,49 +151,44 @@ def old_logprobs_from(cfg: Config, sampler_logprobs: bool = False) -> OldLogprob
     return "sampler" if sampler_logprobs else "forward"
 
 
-@dataclass
-class Batch:
-    """One step's responses on this process and what the stages compute about them; None where the config
-    needs none. `rollout` fills the first part, `train_step` the last three fields."""
-
-    seq: Sequences  # prompts, responses, their masks and positions (rlhf.rollout)
-    group_ids: torch.Tensor  # (B,) the index of each response's prompt on this process
-    old_logprobs: torch.Tensor | None  # log pi_old of each token; None where the update's own serve
-    ref_logprobs: torch.Tensor | None  # log pi_ref; None without a reference model
-    full_kl: torch.Tensor | None  # exact KL(pi_old || pi_ref) per token (kl.full_kl): the panel, a `full` reward
-    full_forward_kl: torch.Tensor | None  # exact KL(pi_ref || pi_old) per token, for the panel
-    values: torch.Tensor | None  # the critic's V(prompt + response[:t]); None without a critic
-    sampler_logprobs: torch.Tensor | None  # the decoding loop's, kept to compare with the old ones
-    token_rewards: torch.Tensor | None = None  # the score on the last token, minus the reward's KL penalty
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None  # the critic's targets
-
-    def rows(self, index) -> Batch:
-        """The rows `index` of every tensor (a micro-batch)."""
-        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v.rows(index) if f.name == "seq"
-                        else v[index] for f in dataclasses.fields(self)})
-
-
-
 # ----------------------------------------------------------------------------- rollout
 
 
 @torch.no_grad()
-def rollout(cfg: Config, plan: Plan, accelerator, models, tokenizer, prompt_rows, group_ids: torch.Tensor,
-            noise: torch.Generator | None, timer: Timer) -> Batch:
-    """Sample one response per prompt row (the noise from `noise`, or the global random state); then, in
-    micro-batches at the rollout's weights, the forward passes the plan needs: the actor's (the old log-probs),
-    the reference's with the exact KL both ways from both models' logits, the critic's values."""
-    (actor, critic, ref), r = models, cfg.rollout
-    prompt_ids, prompt_mask = left_pad(prompt_rows["input_ids"], tokenizer.pad_token_id)
+def sample_responses(cfg: Config, plan: Plan, accelerator, run: Setup, prompt_rows,
+                     noise: torch.Generator | None) -> Sequences:
+    """One response per prompt row from the actor, at the rollout's settings; the noise from `noise`, or the
+    global random state."""
+    r = cfg.rollout
+    prompt_ids, prompt_mask = left_pad(prompt_rows["input_ids"], run.tokenizer.pad_token_id)
     params = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p, ignore_eos=r.ignore_eos)
-    with timer("gen"), accelerator.autocast():
-        seq = generate(accelerator.unwrap_model(actor), tokenizer, prompt_ids.to(accelerator.device),
-                       prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator),
-                       generator=noise, return_logprobs=plan.keep_sampler_logprobs)
+    return generate(accelerator.unwrap_model(run.models[0]), run.tokenizer, prompt_ids.to(accelerator.device),
+                    prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator), generator=noise,
+                    return_logprobs=plan.keep_sampler_logprobs)
+
+
+@dataclass
+class Passes:
+    """The forward passes over the sampled batch at the rollout's weights (`forward_passes`); None where the plan
+    needs none."""
+
+    old_logprobs: torch.Tensor  # log pi_old of each token (Batch.old_logprobs: from where the plan says)
+    ref_logprobs: torch.Tensor | None  # log pi_ref; None without a reference model
+    exact_kl: torch.Tensor | None  # exact KL(pi_old || pi_ref) per token (kl.full_kl): the panel, a `full` reward
+    exact_forward_kl: torch.Tensor | None  # exact KL(pi_ref || pi_old) per token, for the panel
+    values: torch.Tensor | None  # the critic's V(prompt + response[:t]); None without a critic
+
+
+@torch.no_grad()
+def forward_passes(cfg: Config, plan: Plan, accelerator, models, seq: Sequences, timer: Timer) -> Passes:
+    """In micro-batches at the rollout's weights, the forward passes the plan needs: the actor's (the old
+    log-probs), the reference's with the exact KL both ways from both models' logits, the critic's values. The old
+    log-probs are the forward pass's, the sampler's (`seq.logprobs`) or, where the plan says "update", a tensor the
+    update fills with its own."""
+    (actor, critic, ref), r = models, cfg.rollout
     passes = defaultdict(list)
-    for index in torch.arange(len(prompt_ids)).split(r.log_prob_micro_batch_size):
-        micro, logits = seq.rows(index), None
+    for index in torch.arange(len(seq.response_ids)).split(r.log_prob_micro_batch_size):
+        micro, logits = seq.select(index), None
         if plan.old_logprobs_from == "forward":
             with timer("old_log_prob"), accelerator.autocast():
                 logprobs, logits = logprobs_and_logits(actor, micro, r.temperature)
@@ -185,21 +197,20 @@ def rollout(cfg: Config, plan: Plan, accelerator, models, tokenizer, prompt_rows
             with timer("ref"), accelerator.autocast():
                 ref_logprobs, ref_logits = logprobs_and_logits(ref, micro, r.temperature)
                 passes["ref_logprobs"].append(ref_logprobs)
-                if plan.rollout_full_kl:
-                    passes["full_kl"].append(kl.full_kl(logits, ref_logits, r.temperature))
+                if plan.computes_exact_kl:
+                    passes["exact_kl"].append(kl.full_kl(logits, ref_logits, r.temperature))
                 if cfg.trainer.log_kl_panel:  # KL(pi_ref || pi): the direction a k3 loss regularises (docs/kl.md)
-                    passes["full_forward_kl"].append(kl.full_kl(ref_logits, logits, r.temperature))
+                    passes["exact_forward_kl"].append(kl.full_kl(ref_logits, logits, r.temperature))
         del logits
         if critic is not None:
             with timer("values"), accelerator.autocast():
                 passes["values"].append(response_values(critic, micro))
     passes = {name: torch.cat(parts) for name, parts in passes.items()}
-    from_sampler = plan.old_logprobs_from == "sampler"
-    return Batch(seq=seq, group_ids=group_ids,
-                 old_logprobs=seq.logprobs if from_sampler else passes.get("old_logprobs"),
-                 ref_logprobs=passes.get("ref_logprobs"), full_kl=passes.get("full_kl"),
-                 full_forward_kl=passes.get("full_forward_kl"), values=passes.get("values"),
-                 sampler_logprobs=None if from_sampler else seq.logprobs)
+    old_logprobs = {"forward": passes.get("old_logprobs"), "sampler": seq.logprobs,
+                    "update": torch.zeros(seq.response_mask.shape, device=seq.response_mask.device)}
+    return Passes(old_logprobs=old_logprobs[plan.old_logprobs_from], ref_logprobs=passes.get("ref_logprobs"),
+                  exact_kl=passes.get("exact_kl"), exact_forward_kl=passes.get("exact_forward_kl"),
+                  values=passes.get("values"))
 
 
 def response_logits(model, seq: Sequences) -> torch.Tensor:
@@ -225,84 +236,112 @@ def response_values(critic, seq: Sequences) -> torch.Tensor:
     return out.logits[:, -num_response - 1:-1, 0].float()
 
 
-# ----------------------------------------------------------------------------- advantages
+# ----------------------------------------------------------------------------- the batch the update learns from
 
 
-def rewards_to_advantages(cfg: Config, plan: Plan, batch: Batch, scores: torch.Tensor, kl_coef: float,
-                          reduce_sum) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KL in the reward -> token rewards -> advantages (algorithm.adv_estimator: GAE's whitened over all
-    processes' tokens, grpo's and rloo's relative to each prompt's group). Returns, all (B, R): the reward's KL
-    per token (None without one), the token rewards, the advantages and the returns (the critic's targets)."""
-    a, mask = cfg.algorithm, batch.seq.response_mask
-    reward_kl = None
-    if plan.reward_estimator is not None:
-        reward_kl = plan.reward_estimator(batch.old_logprobs, batch.ref_logprobs, batch.full_kl)
-    token_rewards = core_algos.token_rewards(scores, mask, reward_kl, kl_coef)
-    advantages, returns = core_algos.ADV_ESTIMATOR_REGISTRY[a.adv_estimator](
-        token_rewards, batch.values, mask, batch.group_ids, a.gamma, a.lam, a.norm_adv_by_std_in_grpo, reduce_sum)
-    return reward_kl, token_rewards, advantages, returns
+@dataclass
+class Batch:
+    """One step's responses and all that the step computed about them, before the update (train_step builds it
+    once, whole); None where the config needs none."""
+
+    seq: Sequences  # prompts, responses, their masks and positions (rlhf.rollout)
+    group_ids: torch.Tensor  # (B,) the index of each response's prompt on this process
+    old_logprobs: torch.Tensor  # log pi_old: the forward pass's, the sampler's, or the update's own (Plan)
+    sampler_logprobs: torch.Tensor | None  # the decoding loop's, where kept (Plan.keep_sampler_logprobs)
+    ref_logprobs: torch.Tensor | None  # log pi_ref; None without a reference model
+    exact_kl: torch.Tensor | None  # exact KL(pi_old || pi_ref) per token: the panel, a `full` reward
+    exact_forward_kl: torch.Tensor | None  # exact KL(pi_ref || pi_old) per token, for the panel
+    values: torch.Tensor | None  # the critic's at the rollout's weights; None without a critic
+    token_rewards: torch.Tensor  # the score on the last token, minus the reward's KL penalty
+    advantages: torch.Tensor
+    returns: torch.Tensor  # the critic's targets
+
+    def select(self, index) -> Batch:
+        """The rows `index` of every tensor (a micro-batch)."""
+        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v.select(index) if f.name == "seq"
+                        else v[index] for f in dataclasses.fields(self)})
 
 
 # ----------------------------------------------------------------------------- PPO epochs
 
 
-def ppo_update(cfg: Config, plan: Plan, accelerator, models, optimizers, batch: Batch, step: int,
-               timer: Timer) -> tuple[dict[str, float], int, torch.Tensor | None]:
+def ppo_update(cfg: Config, plan: Plan, accelerator, run: Setup, batch: Batch, step: int,
+               timer: Timer) -> tuple[dict[str, float], int]:
     """`actor.ppo_epochs` passes over the batch in mini-batches (`minibatches`), each in micro-batches whose
     gradients add up to the mini-batch's: one optimizer step per model and mini-batch (the critic only when
-    there is one). Returns (metrics (`update_metrics`); the optimizer updates skipped as non-finite; the
-    update's own old log-probs (B, R), where the plan takes them)."""
-    (actor, critic, _), (actor_opt, critic_opt), ac, mask = models, optimizers, cfg.actor, batch.seq.response_mask
-    own_old = torch.zeros(mask.shape, device=mask.device) if plan.old_logprobs_from == "update" else None
-    world, mini_size = accelerator.num_processes, ac.ppo_mini_batch_size * cfg.rollout.n  # responses
-    learners = [("actor", actor, actor_opt, ac.grad_clip)]
+    there is one). Returns (the update's metrics over all processes, the optimizer updates skipped as
+    non-finite)."""
+    (actor, critic, _), ac, mask = run.models, cfg.actor, batch.seq.response_mask
+    world, mini_size = accelerator.num_processes, ac.ppo_mini_batch_size * cfg.rollout.n  # responses, all processes
+    learners = [("actor", actor, run.optimizers[0], ac.grad_clip)]
     if critic is not None:
-        learners.append(("critic", critic, critic_opt, cfg.critic.grad_clip))
+        learners.append(("critic", critic, run.optimizers[1], cfg.critic.grad_clip))
     records, skipped = defaultdict(list), 0
     mini_indices = minibatches(len(mask), mini_size // world, ac.ppo_epochs, cfg.trainer.seed, step)
-    for mini_index in mini_indices:
-        # Normalised by the global mini-batch (all micro-batches, all processes), so that the summed
-        # micro-batch gradients are the mini-batch's.
-        norm = dict(num_tokens=accelerator.reduce(mask[mini_index].sum().float(), "sum"), num_seqs=mini_size,
-                    norm_len=mask.shape[1])
+    for mini_index in mini_indices:  # every epoch's mini-batches, in the epoch's order
+        # The one scaling: a micro-batch's losses are divided by the counts of the whole global mini-batch (its
+        # tokens over all processes, its sequences, the padded length: agg_loss), so that the micro-batches'
+        # gradients add up to the mini-batch's; and DDP averages gradients over processes, so each process's
+        # share counts `world` times, to make that average the sum (its logged losses too: averaged likewise).
+        scale = dict(num_tokens=accelerator.reduce(mask[mini_index].sum().float(), "sum"), num_seqs=mini_size,
+                     norm_len=mask.shape[1])
         finite = {name: True for name, *_ in learners}
         micro_indices = mini_index.split(ac.ppo_micro_batch_size)
         for i, micro_index in enumerate(micro_indices):
-            micro, last = batch.rows(micro_index), i == len(micro_indices) - 1
-            with timer("update_actor"), gradient_sync(accelerator, actor, last):
+            # DDP all-reduces the gradients on a mini-batch's last micro-batch only: accelerate's no_sync on the
+            # others, the forward inside it, as DDP needs
+            sync = accelerator.no_sync if i < len(micro_indices) - 1 else lambda model: contextlib.nullcontext()
+            with timer("update_actor"), sync(actor):
                 with accelerator.autocast():  # forward only: the backward runs outside autocast
-                    loss, metrics, logprobs = micro_actor_loss(cfg, plan, models, micro, norm)
-                finite["actor"] &= backward(accelerator, loss)
-            if own_old is not None:
-                own_old[micro_index] = logprobs
+                    logprobs, entropy, exact_kl = actor_forward(cfg, plan, run.models, batch.seq.select(micro_index))
+                    if plan.old_logprobs_from == "update":  # one epoch, one step: the weights are the rollout's
+                        batch.old_logprobs[micro_index] = logprobs.detach()
+                    micro = batch.select(micro_index)
+                    loss, metrics = actor_loss(ac, plan.loss_kl, micro, logprobs, entropy, exact_kl, scale)
+                accelerator.backward(loss * world)
+                finite["actor"] &= math.isfinite(loss.item())
             if critic is not None:
-                with timer("update_critic"), gradient_sync(accelerator, critic, last):
+                with timer("update_critic"), sync(critic):
                     with accelerator.autocast():
                         values = response_values(critic, micro.seq)
                     vf_loss, critic_metrics = core_algos.value_loss(
                         values, micro.values, micro.returns, micro.seq.response_mask, cfg.critic.cliprange_value,
-                        ac.loss_agg_mode, **norm)
-                    finite["critic"] &= backward(accelerator, vf_loss)
+                        ac.loss_agg_mode, **scale)
+                    accelerator.backward(vf_loss * world)
+                    finite["critic"] &= math.isfinite(vf_loss.item())
                 metrics.update(critic_metrics)
             for key, value in metrics.items():
-                records[key].append(value)
+                records[key].append(value * world if key in MINI_BATCH_LOSSES else value)
         with timer("update_step"):
             num_skipped, grad_norms = optimizer_steps(accelerator, learners, list(finite.values()))
         skipped += num_skipped
         for (name, *_), grad_norm in zip(learners, grad_norms):
             records[f"{name}/grad_norm"].append(grad_norm)
-    return update_metrics(records, len(mini_indices), world), skipped, own_old
+    # A loss: the mean over mini-batches of the sum of their micro-batches'; /max keys the maximum; others the mean.
+    learned = {key: sum(numbers) / len(mini_indices) if key in MINI_BATCH_LOSSES else
+               max(numbers) if key.endswith("/max") else sum(numbers) / len(numbers)
+               for key, numbers in records.items()}
+    return mean_over_processes(accelerator, learned), skipped
 
 
 MINI_BATCH_LOSSES = ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss")  # normalised by the whole mini-batch
 
 
-def update_metrics(records: dict[str, list[float]], num_minibatches: int, world: int) -> dict[str, float]:
-    """The update's metrics from every micro-batch's records: a loss is the mean over mini-batches of the sum of
-    their micro-batches (x world: train_step averages the processes' shares); /max keys the maximum; others the
-    mean."""
-    return {key: sum(values) * world / num_minibatches if key in MINI_BATCH_LOSSES else
-            max(values) if key.endswith("/max") else sum(values) / len(values) for key, values in records.items()}
+def optimizer_steps(accelerator, learners, finite: list[bool]) -> tuple[int, list[float]]:
+    """One optimizer step per learner (name, model, optimizer, max gradient norm) after clipping, only when no
+    process saw a non-finite loss (`finite`, per learner) and the norm is finite: one decision for all processes,
+    or their copies would drift apart. Returns (skipped steps, each learner's gradient norm)."""
+    num_bad = accelerator.reduce(torch.tensor([float(not ok) for ok in finite], device=accelerator.device), "sum")
+    skipped, norms = 0, []
+    for (name, model, optimizer, max_norm), bad in zip(learners, num_bad):
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        if torch.isfinite(grad_norm) and bad.item() == 0:
+            optimizer.step()
+        else:
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+        norms.append(grad_norm.item())
+    return skipped, norms
 
 
 def minibatches(num_local: int, local_mini_size: int, num_epochs: int, seed: int, step: int) -> list[torch.Tensor]:
@@ -313,59 +352,54 @@ def minibatches(num_local: int, local_mini_size: int, num_epochs: int, seed: int
             for index in torch.randperm(num_local, generator=generator).split(local_mini_size)]
 
 
-def micro_actor_loss(cfg: Config, plan: Plan, models, micro: Batch,
-                     norm: dict) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-    """The actor's forward pass and loss (`actor_loss`) on one micro-batch, with actor/entropy. Returns (loss,
-    metrics, the micro-batch's log-probs, detached: the old ones where the plan says "update")."""
-    (actor, _, ref), temperature, mask = models, cfg.rollout.temperature, micro.seq.response_mask
-    logprobs, logits = logprobs_and_logits(actor, micro.seq, temperature)
-    old_logprobs = logprobs.detach() if plan.old_logprobs_from == "update" else micro.old_logprobs
+def actor_forward(cfg: Config, plan: Plan, models, seq: Sequences):
+    """The actor's forward pass on a micro-batch: (its log-probs (B, R), its entropy (B, R), in the graph only if
+    in the loss; the exact KL to the reference (B, R) through the actor's logits, for a `full` KL loss, else None)."""
+    (actor, _, ref), temperature = models, cfg.rollout.temperature
+    logprobs, logits = logprobs_and_logits(actor, seq, temperature)
     with torch.set_grad_enabled(bool(cfg.actor.entropy_coeff)):  # out of the graph unless in the loss
         entropy = core_algos.entropy_from_logits(logits, temperature)
-    full = None
-    if plan.loss_estimator is not None and plan.loss_estimator.needs_logits:  # exact, through the actor's logits
+    exact_kl = None
+    if plan.loss_kl is not None and plan.loss_kl.needs_logits:
         with torch.no_grad():
-            ref_logits = response_logits(ref, micro.seq)
-        full = kl.full_kl(logits, ref_logits, temperature)
-    loss, metrics = actor_loss(cfg.actor, plan.loss_estimator, logprobs, old_logprobs, micro.advantages, mask,
-                               entropy, micro.ref_logprobs, full, norm)
-    metrics["actor/entropy"] = core_algos.masked_mean(entropy.detach(), mask).item()
-    return loss, metrics, logprobs.detach()
+            ref_logits = response_logits(ref, seq)
+        exact_kl = kl.full_kl(logits, ref_logits, temperature)
+    return logprobs, entropy, exact_kl
 
 
-def actor_loss(ac, estimator: kl.KLEstimator | None, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-               advantages: torch.Tensor, response_mask: torch.Tensor, entropy: torch.Tensor,
-               ref_logprobs: torch.Tensor | None = None, full_kl: torch.Tensor | None = None,
-               norm: dict | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The actor's loss on a micro-batch, all (B, R), with `ac` the actor's config:
+def actor_loss(ac, loss_kl: kl.KLEstimator | None, micro: Batch, logprobs: torch.Tensor, entropy: torch.Tensor,
+               exact_kl: torch.Tensor | None = None, scale: dict | None = None) -> tuple[torch.Tensor, dict]:
+    """The actor's loss on a micro-batch, with `ac` the actor's config and `logprobs`, `entropy` (B, R) its
+    forward pass's:
 
-        loss = policy_loss(ratio, A) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl)   (kl: `estimator`)
+        loss = policy_loss(ratio, A) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl)   (kl: `loss_kl`)
 
-    with kl weighted by rho = exp(logprobs - old_logprobs) when kl_loss_off_policy_correction is on; `full_kl`
-    (differentiable through the actor's logits) only for a `full` estimator. `norm` (num_tokens, num_seqs,
-    norm_len) normalises by the whole mini-batch, so that micro-batch losses add up to its loss."""
-    norm = norm or {}
-    loss, metrics = core_algos.policy_loss(logprobs, old_logprobs, advantages, response_mask, ac.clip_ratio,
-                                           ac.clip_ratio_c, ac.loss_agg_mode, **norm)
+    with kl weighted by rho = exp(logprobs - old_logprobs) when kl_loss_off_policy_correction is on; `exact_kl`
+    (differentiable through the actor's logits) only for a `full` KL. `scale` (num_tokens, num_seqs, norm_len)
+    normalises by the whole mini-batch (ppo_update says why); None: by the micro-batch's own counts."""
+    scale, mask = scale or {}, micro.seq.response_mask
+    loss, metrics = core_algos.policy_loss(logprobs, micro.old_logprobs, micro.advantages, mask, ac.clip_ratio,
+                                           ac.clip_ratio_c, ac.loss_agg_mode, **scale)
     if ac.entropy_coeff:
-        loss = loss - ac.entropy_coeff * core_algos.agg_loss(entropy, response_mask, ac.loss_agg_mode, **norm)
-    if estimator is not None:
-        old = old_logprobs if ac.kl_loss_off_policy_correction else None
-        kl_loss = core_algos.agg_loss(estimator(logprobs, ref_logprobs, full_kl, old), response_mask,
-                                      ac.loss_agg_mode, **norm)
+        loss = loss - ac.entropy_coeff * core_algos.agg_loss(entropy, mask, ac.loss_agg_mode, **scale)
+    if loss_kl is not None:
+        old = micro.old_logprobs if ac.kl_loss_off_policy_correction else None
+        kl_loss = core_algos.agg_loss(loss_kl(logprobs, micro.ref_logprobs, exact_kl, old), mask, ac.loss_agg_mode,
+                                      **scale)
         loss = loss + ac.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss.item()
+    metrics["actor/entropy"] = core_algos.masked_mean(entropy.detach(), mask).item()
     return loss, metrics
 
 
-# ----------------------------------------------------------------------------- metrics
+# ----------------------------------------------------------------------------- logging (nothing learned here)
 
 
-def batch_metrics(cfg: Config, accelerator, batch: Batch, scored: rewards.Scored, old_logprobs: torch.Tensor | None,
+def batch_metrics(cfg: Config, plan: Plan, accelerator, batch: Batch, scored: rewards.Scored,
                   stop_ids: int | tuple[int, ...]) -> dict[str, float]:
     """The step's logged numbers that describe the batch: scores, rewards, lengths, advantages, value fit, the
-    share of groups without signal, the KL panel (of `old_logprobs`), the sampler's log-prob mismatch; over all
-    processes (the panel and the mismatch KL over all their tokens)."""
+    share of groups without signal, the KL panel (of the old log-probs), the sampler's log-prob mismatch with the
+    recomputed old ones; over all processes (the panel and the mismatch KL over all their tokens)."""
     mask, reduce_sum, valid = batch.seq.response_mask, sum_over_processes(accelerator), batch.seq.response_mask.bool()
     local = {
         "critic/score/mean": scored.scores.mean(),
@@ -378,18 +412,18 @@ def batch_metrics(cfg: Config, accelerator, batch: Batch, scored: rewards.Scored
     }
     if batch.values is not None:
         local["critic/vf_explained_var"] = core_algos.explained_variance(batch.values, batch.returns, mask)
-    for key, values in scored.parts.items():  # the parts of a reward of several (reward.functions)
-        local[f"{key}/mean"] = values.mean()
+    for key, part_scores in scored.parts.items():  # the parts of a reward of several (reward.functions)
+        local[f"{key}/mean"] = part_scores.mean()
     if cfg.rollout.n > 1:
         local["critic/groups_with_equal_scores"] = core_algos.groups_with_equal_scores(scored.scores, batch.group_ids)
     metrics = mean_over_processes(accelerator, local)
     if cfg.trainer.log_kl_panel:
-        panel = kl.kl_panel(old_logprobs, batch.ref_logprobs, mask)
-        panel["kl/full"] = core_algos.masked_mean(batch.full_kl, mask).item()
-        panel["kl/full_forward"] = core_algos.masked_mean(batch.full_forward_kl, mask).item()
+        panel = kl.kl_panel(batch.old_logprobs, batch.ref_logprobs, mask)
+        panel["kl/full"] = core_algos.masked_mean(batch.exact_kl, mask).item()
+        panel["kl/full_forward"] = core_algos.masked_mean(batch.exact_forward_kl, mask).item()
         metrics.update(token_weighted_means(panel, mask.sum(), reduce_sum))
-    if batch.sampler_logprobs is not None:  # the sampler's log-probs against the recomputed old ones
-        mismatch = logprob_mismatch(batch.sampler_logprobs, old_logprobs, mask)
+    if batch.sampler_logprobs is not None and plan.old_logprobs_from != "sampler":  # against the recomputed ones
+        mismatch = logprob_mismatch(batch.sampler_logprobs, batch.old_logprobs, mask)
         largest = {"rollout/logprob_abs_diff/max": mismatch.pop("rollout/logprob_abs_diff/max")}
         metrics.update(mean_over_processes(accelerator, largest))
         metrics.update(token_weighted_means(mismatch, mask.sum(), reduce_sum))
@@ -403,6 +437,6 @@ def logprob_mismatch(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor,
     the sampler's samples; >= 0 per token), and `rollout/logprob_abs_diff/max`, the largest |difference|
     over valid tokens (0 without any)."""
     diff = torch.where(response_mask.bool(), (sampler_logprobs.float() - logprobs.float()).abs(), 0.0)
-    k3 = kl.kl_penalty(sampler_logprobs.float(), logprobs.float(), "k3")
+    k3 = kl.kl_k3(sampler_logprobs.float(), logprobs.float())
     return {"rollout/logprob_mismatch_kl": core_algos.masked_mean(k3, response_mask).item(),
             "rollout/logprob_abs_diff/max": (diff.max() if diff.numel() else diff.sum()).item()}

@@ -16,7 +16,7 @@ from rlhf.config import ConfigError, load_config
 from rlhf.models import load_causal_lm
 from rlhf.rollout import SamplingParams, left_pad, paired_noise_generator
 from rlhf.setup import load_models, setup
-from rlhf.step import micro_actor_loss, plan_step, response_logits, rollout
+from rlhf.step import Batch, actor_forward, actor_loss, forward_passes, plan_step, response_logits, sample_responses
 from rlhf.tracking import Timer, read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -110,23 +110,25 @@ def test_every_kl_estimator_in_reward_and_loss_equals_a_separate_reference(lora_
     rows, group_ids = repeat_prompts(rows, 1)
     # Move the adapters first (one PPO step), so that policy and reference differ and every KL is non-zero.
     plan = plan_step(cfg, "no")
-    seq = rollout(cfg, plan, accelerator, run.models, run.tokenizer, rows, group_ids,
-                  torch.Generator().manual_seed(1), Timer()).seq
+    seq = sample_responses(cfg, plan, accelerator, run, rows, torch.Generator().manual_seed(1))
     train_adapters(actor, seq)
     base = load_causal_lm(artifacts.model_dir, "float32").eval().requires_grad_(False)
-    batches = {}
-    for side, reference in (("lora", ref), ("separate", base)):
-        batches[side] = rollout(cfg, plan, accelerator, (actor, critic, reference), run.tokenizer, rows, group_ids,
-                                torch.Generator().manual_seed(2), Timer())
-    a, b = batches["lora"], batches["separate"]
-    for field in ("old_logprobs", "ref_logprobs", "full_kl", "full_forward_kl"):
+    seq = sample_responses(cfg, plan, accelerator, run, rows, torch.Generator().manual_seed(2))
+    passes = {side: forward_passes(cfg, plan, accelerator, (actor, critic, reference), seq, Timer())
+              for side, reference in (("lora", ref), ("separate", base))}
+    a, b = passes["lora"], passes["separate"]
+    for field in ("old_logprobs", "ref_logprobs", "exact_kl", "exact_forward_kl"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
-    mask = a.seq.response_mask.bool()
-    assert (a.full_kl[mask] > 0).all()
-    num_tokens = a.seq.response_mask.sum()
+    mask = seq.response_mask.bool()
+    assert (a.exact_kl[mask] > 0).all()
+    num_tokens = seq.response_mask.sum()
+    ones = torch.ones(mask.shape)
+    micro = Batch(seq=seq, group_ids=group_ids, old_logprobs=a.old_logprobs, sampler_logprobs=None,
+                  ref_logprobs=a.ref_logprobs, exact_kl=a.exact_kl, exact_forward_kl=None, values=None,
+                  token_rewards=ones, advantages=ones, returns=ones)
     for name in (*kl.ESTIMATOR_NAMES, "full"):  # "full+" is refused: full is exact already
         estimator = kl.parse_estimator(name)
-        reward = {s: estimator(x.old_logprobs, x.ref_logprobs, x.full_kl) for s, x in batches.items()}
+        reward = {s: estimator(x.old_logprobs, x.ref_logprobs, x.exact_kl) for s, x in passes.items()}
         assert torch.equal(reward["lora"], reward["separate"]), name
         for corrected in (False, True):
             cfg.actor.kl_loss_off_policy_correction = corrected
@@ -134,10 +136,9 @@ def test_every_kl_estimator_in_reward_and_loss_equals_a_separate_reference(lora_
             loss_plan = plan_step(cfg, "no")
             results = {}
             for side, reference in (("lora", ref), ("separate", base)):
-                micro = batches[side]
-                micro.advantages = torch.ones_like(micro.old_logprobs)
-                loss, metrics, _ = micro_actor_loss(cfg, loss_plan, (actor, critic, reference), micro,
-                                                    dict(num_tokens=num_tokens, num_seqs=4, norm_len=mask.shape[1]))
+                logprobs, entropy, exact_kl = actor_forward(cfg, loss_plan, (actor, critic, reference), seq)
+                loss, metrics = actor_loss(cfg.actor, loss_plan.loss_kl, micro, logprobs, entropy, exact_kl,
+                                           dict(num_tokens=num_tokens, num_seqs=4, norm_len=mask.shape[1]))
                 loss.backward()
                 grads = [p.grad.clone() for p in actor.parameters() if p.requires_grad]
                 actor.zero_grad()

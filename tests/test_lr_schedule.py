@@ -71,9 +71,9 @@ def test_each_step_logs_the_lr_its_updates_used(artifacts, tmp_path, monkeypatch
     form and are what the optimizers held during that step's updates. Without a critic, no critic/lr."""
     used, original = [], rlhf.step.ppo_update
 
-    def spy(cfg, plan, accelerator, models, optimizers, *args):
-        used.append([opt.param_groups[0]["lr"] for opt in optimizers if opt is not None])
-        return original(cfg, plan, accelerator, models, optimizers, *args)
+    def spy(cfg, plan, accelerator, run, *args):
+        used.append([opt.param_groups[0]["lr"] for opt in run.optimizers if opt is not None])
+        return original(cfg, plan, accelerator, run, *args)
 
     monkeypatch.setattr(rlhf.step, "ppo_update", spy)
     rows = run(artifacts, tmp_path / "gae", "trainer.total_steps=4", "actor.lr_scheduler_type=cosine",

@@ -17,6 +17,7 @@ loop runs two steps.
 import copy
 import dataclasses
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,9 +46,18 @@ ESTIMATOR_GRAD = {  # d estimator / d logprob, with d = logprob - ref_logprob (d
 }
 
 
-def actor_loss(cfg: ActorConfig, *tensors):
-    """step.actor_loss with the estimator `cfg` names (None without a KL loss), as step.plan_step parses it."""
-    return step.actor_loss(cfg, kl.parse_estimator(cfg.kl_loss_type) if cfg.use_kl_loss else None, *tensors)
+def actor_loss(cfg: ActorConfig, logprobs, old_logprobs, advantages, mask, entropy, ref_logprobs=None,
+               exact_kl=None):
+    """step.actor_loss on a micro-batch of these tensors, with the estimator `cfg` names (None without a KL
+    loss), as step.plan_step parses it."""
+    seq = Sequences.build(torch.zeros(len(mask), 1, dtype=torch.long), torch.ones(len(mask), 1, dtype=torch.long),
+                          torch.zeros(mask.shape, dtype=torch.long), mask)
+    zeros = torch.zeros(mask.shape)
+    micro = step.Batch(seq=seq, group_ids=torch.arange(len(mask)), old_logprobs=old_logprobs, sampler_logprobs=None,
+                       ref_logprobs=ref_logprobs, exact_kl=None, exact_forward_kl=None, values=zeros,
+                       token_rewards=zeros, advantages=advantages, returns=zeros)
+    return step.actor_loss(cfg, kl.parse_estimator(cfg.kl_loss_type) if cfg.use_kl_loss else None, micro, logprobs,
+                           entropy, exact_kl)
 
 
 @pytest.mark.parametrize("estimator", [*ESTIMATOR_GRAD, None])
@@ -158,7 +168,7 @@ def test_old_logprobs_come_from_the_forward_pass_only_where_nothing_else_has_the
         cfg = load_config(None, overrides)
         assert (step.old_logprobs_from(cfg), step.old_logprobs_from(cfg, True)) == (without, with_sampler), overrides
         plan = step.plan_step(cfg, "no")  # float32 weights without mixed precision: the sampler's are kept
-        assert (plan.old_logprobs_from, plan.rollout_full_kl) == (with_sampler, full), overrides
+        assert (plan.old_logprobs_from, plan.computes_exact_kl) == (with_sampler, full), overrides
     default = load_config(None, [])
     assert step.plan_step(default, "no").keep_sampler_logprobs
     assert not step.plan_step(default, "bf16").keep_sampler_logprobs
@@ -167,8 +177,8 @@ def test_old_logprobs_come_from_the_forward_pass_only_where_nothing_else_has_the
     assert step.plan_step(load_config(None, ["rollout.logprobs_from_sampler=true"]), "bf16").keep_sampler_logprobs
     assert not step.plan_step(load_config(None, ["rollout.logprobs_from_sampler=false"]), "no").keep_sampler_logprobs
     plan = step.plan_step(load_config(None, ["actor.use_kl_loss=true", "actor.kl_loss_type=low_var_kl+"]), "no")
-    assert plan.loss_estimator is kl.parse_estimator("low_var_kl+") and plan.reward_estimator is kl.parse_estimator("k1")
-    assert step.plan_step(load_config(None, [no_reward]), "no").reward_estimator is None
+    assert plan.loss_kl is kl.parse_estimator("low_var_kl+") and plan.reward_kl is kl.parse_estimator("k1")
+    assert step.plan_step(load_config(None, [no_reward]), "no").reward_kl is None
 
 
 # ----------------------------------------------------------------------------- the step against ppo.py
@@ -236,14 +246,33 @@ def setup_run(artifacts, tmp_path):
     return make
 
 
-def rollout(cfg, accelerator, models, tokenizer, rows, group_ids, timer=None, short=True):
-    """step.rollout with the config's plan; `short`: three responses end early (`ended_early`)."""
-    plan = step.plan_step(cfg, accelerator.mixed_precision)
+def rollout(cfg, accelerator, models, tokenizer, rows, group_ids, timer=None, short=True) -> step.Batch:
+    """The step's sampling and forward passes with the config's plan, as a Batch whose rewards, advantages and
+    returns are still 0 (`with_advantages` computes them); `short`: three responses end early (`ended_early`)."""
+    plan, timer = step.plan_step(cfg, accelerator.mixed_precision), timer or Timer()
     with pytest.MonkeyPatch.context() as patch:
         if short:
             sampled = step.generate
             patch.setattr(step, "generate", lambda *a, **k: ended_early(sampled(*a, **k), tokenizer))
-        return step.rollout(cfg, plan, accelerator, models, tokenizer, rows, group_ids, None, timer or Timer())
+        run = SimpleNamespace(models=models, tokenizer=tokenizer)
+        seq = step.sample_responses(cfg, plan, accelerator, run, rows, None)
+    passes = step.forward_passes(cfg, plan, accelerator, models, seq, timer)
+    zeros = torch.zeros(seq.response_mask.shape)
+    return step.Batch(seq=seq, group_ids=group_ids, old_logprobs=passes.old_logprobs, sampler_logprobs=seq.logprobs,
+                      ref_logprobs=passes.ref_logprobs, exact_kl=passes.exact_kl,
+                      exact_forward_kl=passes.exact_forward_kl, values=passes.values, token_rewards=zeros,
+                      advantages=zeros, returns=zeros)
+
+
+def with_advantages(cfg, plan, batch: step.Batch, scores, kl_coef) -> step.Batch:
+    """`batch` with the token rewards, advantages and returns train_step computes (one process)."""
+    a, mask = cfg.algorithm, batch.seq.response_mask
+    reward_kl = None if plan.reward_kl is None else plan.reward_kl(batch.old_logprobs, batch.ref_logprobs,
+                                                                   batch.exact_kl)
+    token_rewards = core_algos.token_rewards(scores, mask, reward_kl, kl_coef)
+    advantages, returns = core_algos.ADV_ESTIMATOR_REGISTRY[a.adv_estimator](
+        token_rewards, batch.values, mask, batch.group_ids, a.gamma, a.lam, a.norm_adv_by_std_in_grpo, lambda x: x)
+    return dataclasses.replace(batch, token_rewards=token_rewards, advantages=advantages, returns=returns)
 
 
 def ended_early(seq: Sequences, tokenizer) -> Sequences:
@@ -301,9 +330,9 @@ def one_file_batch(batch: step.Batch, scores) -> dict:
     seq = batch.seq
     tensors = {"input_ids": seq.input_ids, "attention_mask": seq.attention_mask, "position_ids": seq.position_ids,
                "response_ids": seq.response_ids, "response_mask": seq.response_mask, "scores": scores,
-               "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs, "full_kl": batch.full_kl,
+               "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs, "full_kl": batch.exact_kl,
                "values": batch.values}
-    if batch.full_kl is None:  # no exact KL without the panel: NaN, so that an estimator reading it would show
+    if batch.exact_kl is None:  # no exact KL without the panel: NaN, so that an estimator reading it would show
         tensors["full_kl"] = torch.full(seq.response_mask.shape, float("nan"))
     return {name: tensor for name, tensor in tensors.items() if tensor is not None}
 
@@ -313,7 +342,7 @@ def assert_old_logprobs_source(cfg, batch: step.Batch, source: str):
     tensor, or the forward pass's (then the sampler's are kept beside them, to compare)."""
     assert step.plan_step(cfg, "no").old_logprobs_from == source
     if source == "sampler":
-        assert batch.old_logprobs is batch.seq.logprobs and batch.sampler_logprobs is None
+        assert batch.old_logprobs is batch.seq.logprobs is batch.sampler_logprobs
     else:
         assert batch.old_logprobs is not None and batch.sampler_logprobs is batch.seq.logprobs
 
@@ -321,7 +350,8 @@ def assert_old_logprobs_source(cfg, batch: step.Batch, source: str):
 def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None, at_step=3):
     """The step's advantages and PPO epochs (at step `at_step`) on `batch`, with SGD optimizers, in place on the models;
     `seen` (a dict) gets the gradients each optimizer step starts from and the losses each backward takes.
-    Returns (the batch with its advantages, metrics, skipped updates, the update's own old log-probs or None)."""
+    Returns (the batch with its advantages (and, where the plan says "update", the update's own old log-probs),
+    metrics, skipped updates)."""
     actor, critic, ref = models
     learners = [actor] + ([critic] if critic is not None else [])
     prepared = accelerator.prepare(*learners, *[sgd(model) for model in learners])
@@ -329,27 +359,25 @@ def trainer_update(cfg, accelerator, models, batch, scores, kl_coef, seen=None, 
     models = (prepared[0], prepared[1] if half == 2 else None, ref)
     optimizers = (prepared[half], prepared[3] if half == 2 else None)
     plan = step.plan_step(cfg, accelerator.mixed_precision)
-    batch = dataclasses.replace(batch)
-    _, batch.token_rewards, batch.advantages, batch.returns = step.rewards_to_advantages(
-        cfg, plan, batch, scores, kl_coef, lambda x: x)
-    original_steps, original_backward = step.optimizer_steps, step.backward
+    batch = with_advantages(cfg, plan, batch, scores, kl_coef)
+    original_steps, original_backward = step.optimizer_steps, accelerator.backward
 
     def optimizer_steps(accelerator, learners, finite):
         for name, model, *_ in learners:
             seen.setdefault(name, []).append(gradients(model).clone())
         return original_steps(accelerator, learners, finite)
 
-    def backward(accelerator, loss):
+    def backward(loss):
         seen.setdefault("losses", []).append(loss.item())
-        return original_backward(accelerator, loss)
+        return original_backward(loss)
 
     with pytest.MonkeyPatch.context() as patch:
         if seen is not None:
             patch.setattr(step, "optimizer_steps", optimizer_steps)
-            patch.setattr(step, "backward", backward)
-        metrics, skipped, own_old_logprobs = step.ppo_update(cfg, plan, accelerator, models, optimizers, batch,
-                                                             at_step, Timer())
-    return batch, metrics, skipped, own_old_logprobs
+            patch.setattr(accelerator, "backward", backward)
+        run = SimpleNamespace(models=models, optimizers=optimizers)
+        metrics, skipped = step.ppo_update(cfg, plan, accelerator, run, batch, at_step, Timer())
+    return batch, metrics, skipped
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -371,7 +399,7 @@ def test_the_one_file_ppo_has_the_trainers_advantages_losses_and_gradients(setup
     seen = {}
     with torch.no_grad():
         logprobs = step.logprobs_and_logits(actor, batch.seq, cfg.rollout.temperature)[0]
-    batch, metrics, skipped, _ = trainer_update(cfg, accelerator, models, batch, scores,
+    batch, metrics, skipped = trainer_update(cfg, accelerator, models, batch, scores,
                                                 cfg.algorithm.kl_ctrl.kl_coef, seen)
     assert skipped == 0 and metrics["actor/pg_clipfrac_lower"] > 0
     assert_every_clip_branch(torch.exp(logprobs - batch.old_logprobs), batch.advantages, batch.seq.response_mask)
@@ -420,8 +448,8 @@ def test_an_update_reaches_the_weights_of_the_one_file_ppo(setup_run, case):
     assert visited == order
 
     start = [weights(model) for model in (actor, critic)]
-    _, metrics, skipped, _ = trainer_update(cfg, accelerator, models, batch, scores, cfg.algorithm.kl_ctrl.kl_coef,
-                                            at_step=UPDATE_STEP)
+    _, metrics, skipped = trainer_update(cfg, accelerator, models, batch, scores, cfg.algorithm.kl_ctrl.kl_coef,
+                                         at_step=UPDATE_STEP)
     assert skipped == 0 and "critic/vf_loss" in metrics
     for model, expected_model, before in zip((actor, critic), expected_models, start):
         moved = (weights(expected_model) - before).abs().max().item()
@@ -506,13 +534,15 @@ def test_an_exactly_on_policy_update_needs_no_old_logprob_pass(setup_run, case):
         timer = Timer()
         torch.manual_seed(7)
         batch = rollout(c, accelerator, models, tokenizer, rows, sampled.group_ids, timer)
-        assert (batch.old_logprobs is not None) == ("timing_s/old_log_prob" in timer.metrics()) == (name == "pass")
+        # without the pass, the old log-probs are a tensor of 0 the update fills with its own
+        passed = "timing_s/old_log_prob" in timer.metrics()
+        assert (batch.old_logprobs.abs().sum() > 0) == passed == (name == "pass")
         learned = copy.deepcopy(models[0]), copy.deepcopy(models[1])
-        batch, metrics, skipped, own = trainer_update(c, accelerator, (*learned, models[2]), batch, scores, 0.5)
-        assert skipped == 0 and (own is None) == (name == "pass")
-        old_logprobs = batch.old_logprobs if own is None else own
-        metrics.update(step.batch_metrics(c, accelerator, batch, scored, old_logprobs, tokenizer.eos_token_id))
-        runs[name] = batch, old_logprobs, learned, metrics
+        batch, metrics, skipped = trainer_update(c, accelerator, (*learned, models[2]), batch, scores, 0.5)
+        assert skipped == 0 and batch.old_logprobs[batch.seq.response_mask.bool()].lt(0).all()  # filled
+        plan = step.plan_step(c, accelerator.mixed_precision)
+        metrics.update(step.batch_metrics(c, plan, accelerator, batch, scored, tokenizer.eos_token_id))
+        runs[name] = batch, batch.old_logprobs, learned, metrics
     (skip, skip_old, skip_models, skip_metrics), (full, pass_old, pass_models, pass_metrics) = runs["skip"], runs["pass"]
     assert torch.equal(skip.seq.response_ids, full.seq.response_ids)
     torch.testing.assert_close(skip_old, pass_old)  # the update's own, at the rollout's weights
@@ -547,14 +577,17 @@ def test_the_sampler_logprobs_are_the_old_ones_or_are_compared_with_them(setup_r
     batch.token_rewards = core_algos.token_rewards(scores, batch.seq.response_mask)
     batch.advantages = batch.returns = torch.zeros(batch.seq.response_mask.shape)
     scored = score_batch(load_reward(cfg), tokenizer, batch.seq, rows)
-    metrics = step.batch_metrics(cfg, accelerator, batch, scored, batch.old_logprobs, tokenizer.eos_token_id)
+    metrics = step.batch_metrics(cfg, step.plan_step(cfg, "no"), accelerator, batch, scored, tokenizer.eos_token_id)
     assert 0 < metrics["rollout/logprob_abs_diff/max"] < 1e-4 and 0 <= metrics["rollout/logprob_mismatch_kl"] < 1e-9
     timer = Timer()
     torch.manual_seed(3)
     cfg.trainer.log_kl_panel = False
     sampled = rollout(cfg, accelerator, models, tokenizer, rows, batch.group_ids, timer, short=False)
-    assert step.plan_step(cfg, "no").old_logprobs_from == "sampler" and sampled.sampler_logprobs is None
-    assert "timing_s/old_log_prob" not in timer.metrics() and sampled.full_kl is None
+    assert step.plan_step(cfg, "no").old_logprobs_from == "sampler"
+    assert sampled.old_logprobs is sampled.sampler_logprobs
+    assert "timing_s/old_log_prob" not in timer.metrics() and sampled.exact_kl is None
+    metrics = step.batch_metrics(cfg, step.plan_step(cfg, "no"), accelerator, sampled, scored, tokenizer.eos_token_id)
+    assert not any(key.startswith("rollout/logprob") for key in metrics)  # nothing to compare them with
     with torch.no_grad():
         recomputed = step.logprobs_and_logits(models[0], sampled.seq, cfg.rollout.temperature)[0]
     mask = sampled.seq.response_mask.bool()
@@ -578,7 +611,7 @@ def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup
         ref_logprobs, ref_logits = step.logprobs_and_logits(ref, batch.seq, 0.7)
         torch.testing.assert_close(batch.old_logprobs, logprobs)
         torch.testing.assert_close(batch.ref_logprobs, ref_logprobs)
-        torch.testing.assert_close(batch.full_kl, kl.full_kl(logits, ref_logits, 0.7))
+        torch.testing.assert_close(batch.exact_kl, kl.full_kl(logits, ref_logits, 0.7))
         torch.testing.assert_close(batch.values, step.response_values(critic, batch.seq))
     assert not torch.allclose(batch.old_logprobs, step.logprobs_and_logits(actor, batch.seq, 1.0)[0])
     texts = tokenizer.batch_decode(batch.seq.response_ids, skip_special_tokens=True)
@@ -594,7 +627,7 @@ def test_batch_metrics_are_the_batch_numbers(setup_run):
     batch.advantages = torch.where(mask.bool(), torch.arange(mask.numel()).reshape(mask.shape).float(), 99.0)
     scored = score_batch(load_reward(cfg), tokenizer, batch.seq, rows)
     scored.scores = scores
-    metrics = step.batch_metrics(cfg, accelerator, batch, scored, batch.old_logprobs, tokenizer.eos_token_id)
+    metrics = step.batch_metrics(cfg, step.plan_step(cfg, "no"), accelerator, batch, scored, tokenizer.eos_token_id)
     lengths = mask.sum(1).float()
     valid = batch.advantages[mask.bool()]
     assert (metrics["critic/advantages/min"], metrics["critic/advantages/max"]) == (valid.min(), valid.max())
@@ -603,7 +636,7 @@ def test_batch_metrics_are_the_batch_numbers(setup_run):
     assert metrics["critic/score/mean"] == pytest.approx(0.5)
     assert metrics["critic/rewards/mean"] == pytest.approx((scores - 0.1 * lengths).mean().item(), rel=1e-5)
     assert metrics["response_length/mean"] == pytest.approx(lengths.mean().item())
-    assert metrics["kl/full"] == pytest.approx(core_algos.masked_mean(batch.full_kl, mask).item(), rel=1e-5)
+    assert metrics["kl/full"] == pytest.approx(core_algos.masked_mean(batch.exact_kl, mask).item(), rel=1e-5)
     d = batch.old_logprobs - batch.ref_logprobs
     assert metrics["kl/k1"] == pytest.approx(core_algos.masked_mean(d, mask).item(), rel=1e-5)
     assert metrics["kl/full"] > 0
@@ -621,7 +654,7 @@ def test_kl_panel_is_the_exact_kl_of_each_real_token_computed_by_hand(setup_run)
     batch.token_rewards = core_algos.token_rewards(scores, mask)
     batch.advantages = batch.returns = torch.zeros(mask.shape)
     scored = score_batch(load_reward(cfg), tokenizer, batch.seq, rows)
-    metrics = step.batch_metrics(cfg, accelerator, batch, scored, batch.old_logprobs, tokenizer.eos_token_id)
+    metrics = step.batch_metrics(cfg, step.plan_step(cfg, "no"), accelerator, batch, scored, tokenizer.eos_token_id)
 
     reverse, forward, k1 = [], [], []
     temperature = cfg.rollout.temperature
@@ -661,8 +694,13 @@ def spied_step(cfg, monkeypatch, num_samples=0):
     value before the step, the run)."""
     accelerator = Accelerator(cpu=True)
     run = rlhf.setup.setup(cfg, accelerator)
-    seen, original_rollout, original_score = {}, step.rollout, step.rewards.score_batch
-    monkeypatch.setattr(step, "rollout", lambda *a, **k: seen.setdefault("batch", original_rollout(*a, **k)))
+    seen, original_update, original_score = {}, step.ppo_update, step.rewards.score_batch
+
+    def update(cfg, plan, accelerator, run, batch, *args):
+        seen["batch"] = batch
+        return original_update(cfg, plan, accelerator, run, batch, *args)
+
+    monkeypatch.setattr(step, "ppo_update", update)
     monkeypatch.setattr(step.rewards, "score_batch", lambda *a, **k: seen.setdefault("scored", original_score(*a, **k)))
     coef = run.kl_ctrl.value
     result = step.train_step(cfg, step.plan_step(cfg, "no"), accelerator, run, 1, Timer(), num_samples)

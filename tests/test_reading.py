@@ -1,235 +1,279 @@
-"""docs/reading.md, the reading order of one PPO step, against the code: every row's line count is the span of
-the definitions it names, the total and the number of files are the rows', everything a reader must read to
-follow the step (what rlhf/step.py uses, what that uses, and so on, the decoder that runs included; only the
-reference decoding loop, which the default model never runs, left out) is in a row, and the README quotes the
-same totals.
+"""docs/reading.md, the reading order of one PPO step, against what runs: one step of the trainer with the
+default config (its plan, then a step that logs samples, as every trainer.log_samples_freq-th does) and ppo.py's
+loop run under sys.setprofile, which records every project function entered (rlhf/ and ppo.py), in order. What a
+reader reads is counted from that record, and the page and the README quote it:
 
-When the code moves, the failure message gives the numbers to write."""
+- lines: the non-blank lines of the definitions that ran (a function, or a class's method, whole: its decorators,
+  docstring and comments included; a function nested in one, a lambda or a comprehension is part of it), of the
+  bodies of the classes whose methods ran, whose records were built or which the step is handed (their fields,
+  without the methods), and of the module-level assignments those lines read (a regular expression, a constant),
+  and so on;
+- files: the files those lines are in;
+- file switches: following the calls in the order they first run, each definition read where it is first called
+  and the reader back in its caller's file to go on, how often the file changes;
+- depth: the most project calls nested under the step (the step's own callees are at depth 1).
+
+Each row of the page's table is a span of a file (`from` a definition or a module-level name `to` another, or the
+file's top or end); its count is the traced lines inside it, every traced line is in one row, and the rows add up
+to the total. When the code moves, the failure message gives the numbers to write."""
 
 import ast
-import importlib
-import inspect
 import os
 import re
+import sys
+from dataclasses import dataclass, field
 
-from helpers import REPO
+import pytest
+from accelerate import Accelerator
+from helpers import REPO, tiny_overrides
 
 import ppo
-import rlhf.step
-from rlhf import decode
+import rlhf.setup
+from rlhf import step
 from rlhf.config import load_config
-from rlhf.models import load_causal_lm
-from rlhf.rewards import load_reward
+from rlhf.tracking import Timer
 
-PAGE = os.path.join(REPO, "docs", "reading.md")
 ROW = re.compile(r"^\| (\d+) \| `([^`]+)` \| (the top|`[^`]+`) \| (the end|`[^`]+`) \| [^|]+ \| ([\d,]+) \|$", re.M)
 
 
 def read(path: str) -> str:
+    """A file of the repository."""
     with open(os.path.join(REPO, path)) as f:
         return f.read()
 
 
-def definitions(path: str) -> dict[str, tuple[int, int]]:
-    """Each top-level definition of a file (and each class's methods, as Class.method) -> its first line (its
-    decorators' and its leading comment lines included) and last line."""
-    lines = read(path).splitlines()
-    spans = {}
+def project_path(filename: str) -> str | None:
+    """A project file's path relative to the repository (the package and ppo.py), else None."""
+    path = os.path.relpath(filename, REPO)
+    return path if path.startswith("rlhf/") or path == "ppo.py" else None
 
-    def first_line(node) -> int:
-        start = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
-        while start > 1 and lines[start - 2].lstrip().startswith("#"):  # a comment that opens the definition
-            start -= 1
-        return start
 
-    for node in ast.parse("\n".join(lines)).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            spans[node.name] = (first_line(node), node.end_lineno)
-            for inner in (n for n in node.body if isinstance(n, ast.FunctionDef) and isinstance(node, ast.ClassDef)):
-                spans[f"{node.name}.{inner.name}"] = (first_line(inner), inner.end_lineno)
-    return spans
+_SPANS: dict = {}
+
+
+def spans(path: str):
+    """(each definition's (first, last) line: top-level functions and classes' methods; each class's body
+    without its methods; each module-level assignment's lines by the names it binds)."""
+    if path not in _SPANS:
+        tree = ast.parse(read(path))
+        functions, bodies, constants = {}, {}, {}
+
+        def first(node):
+            return min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
+
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                functions[node.name] = (first(node), node.end_lineno)
+            elif isinstance(node, ast.ClassDef):
+                lines = set(range(first(node), node.end_lineno + 1))
+                for inner in node.body:
+                    if isinstance(inner, ast.FunctionDef):
+                        functions[f"{node.name}.{inner.name}"] = (first(inner), inner.end_lineno)
+                        lines -= set(range(first(inner), inner.end_lineno + 1))
+                bodies[node.name] = lines
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    for name in ast.walk(target):
+                        if isinstance(name, ast.Name):
+                            constants[name.id] = node
+        _SPANS[path] = functions, bodies, constants, tree
+    return _SPANS[path]
+
+
+def definition_of(path: str, line: int) -> str | None:
+    """The definition (function, or Class.method) whose span holds `line`: nested functions, lambdas and
+    comprehensions belong to the definition around them."""
+    functions = spans(path)[0]
+    inside = [(l - f, name) for name, (f, l) in functions.items() if f <= line <= l]
+    return max(inside)[1] if inside else None  # the outermost (a method, not a function nested in it)
+
+
+@dataclass
+class Trace:
+    order: list = field(default_factory=list)  # (path, definition) in the order first entered
+    classes: set = field(default_factory=set)  # (path, class) whose code ran or whose record was built
+    walk: list = field(default_factory=list)  # the file a reader is in: at each first call, the caller's, the callee's
+    max_depth: int = 0
+    deepest: list = field(default_factory=list)  # the chain of definitions at the maximum depth
+
+    def lines(self) -> dict[str, set[int]]:
+        """Each file's lines a reader reads: the definitions that ran, the class bodies of their classes and of
+        the records built, and the module-level assignments they (and those) read; blank lines left out."""
+        by_file: dict[str, set[int]] = {}
+        for path, name in self.order:
+            first, last = spans(path)[0][name]
+            by_file.setdefault(path, set()).update(range(first, last + 1))
+            if "." in name:
+                self.classes.add((path, name.split(".")[0]))
+        for path, name in self.classes:
+            by_file.setdefault(path, set()).update(spans(path)[1][name])
+        for path in list(by_file):
+            constants, tree = spans(path)[2], spans(path)[3]
+            todo = [node for node in ast.walk(tree) if getattr(node, "lineno", 0) in by_file[path]
+                    and isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)]
+            seen = set()
+            while todo:
+                name = todo.pop().id
+                if name in constants and name not in seen:
+                    seen.add(name)
+                    node = constants[name]
+                    by_file[path].update(range(node.lineno, node.end_lineno + 1))
+                    todo += [n for n in ast.walk(node.value) if isinstance(n, ast.Name)] if node.value else []
+        for path, lines in by_file.items():
+            text = read(path).splitlines()
+            by_file[path] = {n for n in lines if text[n - 1].strip()}
+        return by_file
+
+    def count(self) -> tuple[int, int, int, int]:
+        """(lines, files, file switches in call order, max call depth)."""
+        lines = self.lines()
+        switches = sum(a != b for a, b in zip(self.walk, self.walk[1:]))
+        return sum(map(len, lines.values())), len(lines), switches, self.max_depth
+
+
+def trace(fn, *args, **kwargs) -> tuple[object, Trace]:
+    """fn(*args, **kwargs) under sys.setprofile: every project definition entered, in the order first entered,
+    the classes whose records were built, and the deepest chain of project calls below `fn`."""
+    record, stack = Trace(), []
+    entered = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            path = project_path(code.co_filename)
+            if path is None:
+                if code.co_name == "__init__" and code.co_filename == "<string>":  # a dataclass's record
+                    owner = type(frame.f_locals.get("self"))
+                    where = project_path(getattr(sys.modules.get(owner.__module__), "__file__", "") or "")
+                    if where:
+                        record.classes.add((where, owner.__qualname__.split(".")[0]))
+                return
+            name = definition_of(path, code.co_firstlineno)
+            if name is None:
+                return
+            if (path, name) not in entered:
+                entered.add((path, name))
+                record.order.append((path, name))
+                record.walk += ([stack[-1][1]] if stack else []) + [path]
+            stack.append((frame, path, name))
+            chain = [s for i, s in enumerate(stack) if i == 0 or s[1:] != stack[i - 1][1:]]
+            if len(chain) - 1 > record.max_depth:
+                record.max_depth, record.deepest = len(chain) - 1, [f"{p}:{n}" for _, p, n in chain]
+        elif event == "return" and stack and stack[-1][0] is frame:
+            stack.pop()
+
+    sys.setprofile(profile)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        sys.setprofile(None)
+    return result, record
+
+
+# ----------------------------------------------------------------------------- the two traces
+
+
+def read_page(path: str) -> str:
+    return read(path).replace("\n", " ")
+
+
+@pytest.fixture(scope="module")
+def step_trace(artifacts, tmp_path_factory, one_thread):
+    """One default step, traced: the plan (what the config decides once; train.py makes it before the first
+    step), then train_step on a fresh run, as a step that logs samples. The records the step is handed (the plan
+    and the run, not the config's schema) count as read."""
+    cfg = load_config(None, tiny_overrides(artifacts, str(tmp_path_factory.mktemp("reading")), "trainer.logger=none"))
+    accelerator = Accelerator(cpu=True)
+    run, timer = rlhf.setup.setup(cfg, accelerator), Timer()
+
+    def one_step():
+        plan = step.plan_step(cfg, accelerator.mixed_precision)
+        return step.train_step(cfg, plan, accelerator, run, 1, timer, cfg.trainer.log_samples)
+
+    result, record = trace(one_step)
+    assert result.samples and "kl/full" in result.metrics  # the default path: samples logged, the KL panel on
+    record.classes |= {("rlhf/step.py", "Plan"), ("rlhf/setup.py", "Setup")}
+    return record
+
+
+@pytest.fixture(scope="module")
+def ppo_trace(artifacts, one_thread):
+    """ppo.py's program for one step of 8 problems (its evaluation before and after included), traced."""
+    args = ppo.Args(total_steps=1, batch_size=8, max_response_length=16, mini_batch_size=4)
+    return trace(ppo.main, args, artifacts)[1]
+
+
+def ppo_count(record: Trace) -> tuple[int, int]:
+    """(lines, files) of ppo.py read whole (its non-blank lines) and what runs of the package beside it (not
+    rlhf/embedded.py, which builds the test bed: not the algorithm)."""
+    lines = record.lines()
+    lines.pop("rlhf/embedded.py", None)
+    lines["ppo.py"] = {n for n, text in enumerate(read("ppo.py").splitlines(), 1) if text.strip()}
+    return sum(map(len, lines.values())), len(lines)
+
+
+def test_the_trace_is_the_default_path(step_trace):
+    """What the count stands on: the fast decoder, the exact KL, the reward's rule, GAE, the losses and the KL
+    panel ran; the reference decoding loop (for models the fast one does not take) did not."""
+    ran = set(step_trace.order)
+    for expected in [("rlhf/decode.py", "decode"), ("rlhf/kl/exact.py", "full_kl"),
+                     ("rlhf/rewards/gsm8k.py", "compute_score"), ("rlhf/core_algos.py", "compute_gae"),
+                     ("rlhf/core_algos.py", "policy_loss"), ("rlhf/core_algos.py", "value_loss"),
+                     ("rlhf/kl/estimators.py", "kl_panel"), ("rlhf/samples.py", "sample_rows")]:
+        assert expected in ran, expected
+    assert ("rlhf/decode.py", "reference_decode") not in ran
+    assert ("rlhf/rollout.py", "Sequences") in step_trace.classes  # a record built: its fields are read
 
 
 def rows() -> list[tuple[int, str, int, int, int]]:
     """(number, file, first line, last line, the lines the page states) of each row of the table."""
     found = []
     for number, path, start, end, stated in ROW.findall(read("docs/reading.md")):
-        spans, length = definitions(path), len(read(path).splitlines())
-        first = 1 if start == "the top" else spans[start.strip("`")][0]
-        last = length if end == "the end" else spans[end.strip("`")][1]
+        functions, bodies, constants, _ = spans(path)
+        named = {**{name: (node.lineno, node.end_lineno) for name, node in constants.items()}, **functions,
+                 **{name: (min(lines), max(lines | {functions[m][1] for m in functions if m.startswith(name + ".")}))
+                    for name, lines in bodies.items()}}  # a class: from its first line to its last method's end
+        first = 1 if start == "the top" else named[start.strip("`")][0]
+        last = len(read(path).splitlines()) if end == "the end" else named[end.strip("`")][1]
         found.append((int(number), path, first, last, int(stated.replace(",", ""))))
     return found
 
 
-def total_and_files() -> tuple[int, int]:
-    counted = rows()
-    return sum(last - first + 1 for _, _, first, last, _ in counted), len({path for _, path, *_ in counted})
-
-
-def test_each_rows_count_is_the_span_of_the_definitions_it_names():
-    counted = rows()
+def test_each_rows_count_is_the_traced_lines_in_it_and_every_traced_line_is_in_a_row(step_trace):
+    traced, counted = step_trace.lines(), rows()
     assert [number for number, *_ in counted] == list(range(1, len(counted) + 1)) and len(counted) >= 10
-    wrong = [f"row {n} ({path}): {last - first + 1}, not {stated}" for n, path, first, last, stated in counted
-             if last - first + 1 != stated]
+    wrong = [f"row {n} ({path}): {len({x for x in traced.get(path, ()) if first <= x <= last})}, not {stated}"
+             for n, path, first, last, stated in counted
+             if len({x for x in traced.get(path, ()) if first <= x <= last}) != stated]
     assert not wrong, f"docs/reading.md's counts: {wrong}"
+    outside = {path: sorted(x for x in lines if not any(p == path and f <= x <= l for _, p, f, l, _ in counted))
+               for path, lines in traced.items()}
+    assert not any(outside.values()), f"traced lines in no row: { {p: x for p, x in outside.items() if x} }"
+    assert sum(stated for *_, stated in counted) == step_trace.count()[0]  # no line in two rows
 
 
-def test_the_total_is_the_rows_and_the_readme_quotes_it():
-    total, files = total_and_files()
-    stated = re.search(r"\*\*([\d,]+) lines in (\d+) files\*\*", read("docs/reading.md"))
-    assert stated and (int(stated.group(1).replace(",", "")), int(stated.group(2))) == (total, files), (
-        f"docs/reading.md should say **{total:,} lines in {files} files**")
-    readme = re.search(r"one step of the trainer in ([\d,]+) lines", read("README.md").replace("\n", " "))
-    assert readme and readme.group(1) == f"{total:,}", f"the README should quote {total:,} lines"
+def test_the_page_and_the_readme_quote_the_trace(step_trace):
+    lines, files, switches, depth = step_trace.count()
+    page = read_page("docs/reading.md")
+    assert f"**{lines:,} lines in {files} files**" in page, f"docs/reading.md: **{lines:,} lines in {files} files**"
+    assert f"switches files {switches} times" in page, f"docs/reading.md: switches files {switches} times"
+    assert f"at most {depth} calls deep" in page, f"docs/reading.md: at most {depth} calls deep"
+    assert f"one step of the trainer in {lines:,} lines" in read_page("README.md"), f"README: {lines:,} lines"
+
+
+def test_the_one_files_count_with_what_it_runs_of_the_package(ppo_trace):
+    """ppo.py and what runs of the package under its loop, as docs/reading.md and the README quote it."""
+    lines, files = ppo_count(ppo_trace)
+    assert files >= 4 and ("rlhf/rewards/gsm8k.py", "compute_score") in ppo_trace.order
+    for page in ("docs/reading.md", "README.md"):
+        quoted = re.search(r"with what it runs of the package,? ([\d,]+) lines", read_page(page), re.I)
+        assert quoted and quoted.group(1) == f"{lines:,}", (page, lines)
 
 
 def test_ppo_py_is_about_300_lines_as_the_pages_say():
     length = len(read("ppo.py").splitlines())
     assert length <= 300
     for page in ("docs/reading.md", "README.md"):
-        quoted = re.findall(r"ppo\.py\S* (\d[\d,]*) lines", read(page).replace("\n", " "))
+        quoted = re.findall(r"ppo\.py\S* (\d[\d,]*) lines", read_page(page))
         assert quoted and all(q == str(length) for q in quoted), (page, quoted, length)
-
-
-def test_every_row_is_inside_its_file_and_the_step_module_is_read_whole():
-    counted = rows()
-    step_lines = set()
-    for _, path, first, last, _ in counted:
-        assert 1 <= first <= last <= len(read(path).splitlines())
-        if path == "rlhf/step.py":
-            step_lines |= set(range(first, last + 1))
-    for name, (first, last) in definitions("rlhf/step.py").items():
-        assert set(range(first, last + 1)) <= step_lines, f"rlhf/step.py's {name} is in no row"
-
-
-def walk(node):
-    """ast.walk, less annotations: a type named in a signature is not read to follow the code."""
-    todo = [node]
-    while todo:
-        node = todo.pop()
-        yield node
-        for field, value in ast.iter_fields(node):
-            if field not in ("annotation", "returns"):
-                todo += [child for child in (value if isinstance(value, list) else [value]) if isinstance(child, ast.AST)]
-
-
-def project_definition(obj) -> tuple[str, str] | None:
-    """(file, top-level name) of a project function or class; None for anything else."""
-    obj = inspect.unwrap(obj) if callable(obj) else obj  # parse_estimator's cache, for one
-    if not (inspect.isfunction(obj) or inspect.isclass(obj)) or not obj.__module__.startswith(("rlhf", "ppo")):
-        return None
-    return os.path.relpath(inspect.getfile(obj), REPO), obj.__qualname__.split(".")[0]
-
-
-def module(path: str):
-    return importlib.import_module(path.removesuffix(".py").removesuffix("/__init__").replace("/", "."))
-
-
-def used_by(path: str, name: str) -> set[tuple[str, str]]:
-    """The project definitions a definition names (calls, decorators, base classes, a function passed as a
-    value), as `name` or `module.name`, resolved in its module."""
-    node, namespace, found = definitions_nodes(path)[name], module(path), set()
-    for n in walk(node):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
-            found.add(project_definition(getattr(namespace, n.id, None)))
-        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
-            found.add(project_definition(getattr(getattr(namespace, n.value.id, None), n.attr, None)))
-    return found - {None}
-
-
-def definitions_nodes(path: str) -> dict[str, ast.AST]:
-    return {node.name: node for node in ast.parse(read(path)).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-
-
-# What the step reaches through an object rather than a name, for the default config (checked below): the
-# registries' entries, the KL controller, the reward function, the prompt order, the timer.
-REACHED_THROUGH_OBJECTS = [
-    ("rlhf/core_algos.py", "_gae_advantages"),  # ADV_ESTIMATOR_REGISTRY[algorithm.adv_estimator]
-    ("rlhf/core_algos.py", "_agg_token_mean"),  # LOSS_AGG_REGISTRY[actor.loss_agg_mode]
-    ("rlhf/kl/estimators.py", "kl_k1"),  # the reward's estimator, algorithm.kl_penalty
-    ("rlhf/kl/controllers.py", "FixedKLController"),  # run.kl_ctrl
-    ("rlhf/rewards/__init__.py", "RewardFn"),  # run.reward: reward.function, called and checked
-    ("rlhf/rewards/gsm8k.py", "reward_func"),  # run.reward.fn: reward.function
-    ("rlhf/prompt_order.py", "PromptOrder"),  # run.prompt_order
-    ("rlhf/registry.py", "Registry"),  # the registries' lookups
-    ("rlhf/tracking.py", "Timer"),  # timer
-]
-
-
-# What the step names but never runs under the default config (checked below), the one branch the count does not
-# follow: generate's reference decoding loop, for the models rlhf.decode.supports refuses (FSDP2-sharded weights,
-# other architectures). The default model runs rlhf/decode.py's `decode`, which the count follows; the reference
-# loop is what tests/test_decode.py holds it to, token for token.
-NOT_RUN_BY_DEFAULT = {("rlhf/decode.py", "reference_decode")}
-
-
-def reached(roots) -> set[tuple[str, str]]:
-    """Every project definition reachable from `roots` by the names each one uses (NOT_RUN_BY_DEFAULT aside)."""
-    seen, todo = set(), list(roots)
-    while todo:
-        key = todo.pop()
-        if key not in seen and key not in NOT_RUN_BY_DEFAULT:
-            seen.add(key)
-            todo += used_by(*key) - seen
-    return seen
-
-
-def the_steps_reach() -> set[tuple[str, str]]:
-    top_level = [name for name in definitions("rlhf/step.py") if "." not in name]
-    return reached([("rlhf/step.py", name) for name in top_level] + REACHED_THROUGH_OBJECTS)
-
-
-def test_the_definitions_reached_through_objects_are_the_default_configs():
-    cfg = load_config(None, [])
-    assert (cfg.algorithm.adv_estimator, cfg.actor.loss_agg_mode, cfg.algorithm.kl_penalty) == ("gae", "token-mean", "k1")
-    assert (cfg.algorithm.kl_ctrl.type, cfg.reward.function) == ("fixed", "rlhf.rewards.gsm8k:reward_func")
-    assert rlhf.step.core_algos.ADV_ESTIMATOR_REGISTRY["gae"].__name__ == "_gae_advantages"
-    reward = load_reward(cfg)
-    assert (type(reward).__name__, reward.fn.__name__) == ("RewardFn", "reward_func")
-    assert rlhf.step.core_algos.LOSS_AGG_REGISTRY["token-mean"].__name__ == "_agg_token_mean"
-
-
-def test_the_reference_loop_is_named_on_the_path_and_not_run_by_the_default_model(artifacts):
-    """generate names the reference loop (so leaving it out is a choice, made here), and the default config's model
-    (the embedded default's kind: a Qwen2 causal LM, SDPA attention, one process: no stop rule of several) takes
-    the static-cache loop instead."""
-    assert ("rlhf/decode.py", "reference_decode") in used_by("rlhf/rollout.py", "generate")
-    assert load_config(None, []).model.path == "embedded"
-    assert decode.supports(load_causal_lm(artifacts.model_dir))
-
-
-def test_every_definition_a_reader_needs_to_follow_the_step_is_in_a_row():
-    """The count is the reader's: what the step uses, and what that uses, down to the decoder that runs
-    (rlhf/decode.py); and a row begins and ends at a definition the reader needs (it may hold others between)."""
-    counted, needed = rows(), the_steps_reach()
-    assert ("rlhf/decode.py", "decode") in needed and ("rlhf/kl/exact.py", "full_kl") in needed
-    missing = []
-    for path, name in sorted(needed):
-        first, last = definitions(path)[name]
-        if not any(p == path and f <= first and last <= l for _, p, f, l, _ in counted):
-            missing.append(f"{path}: {name} (lines {first}-{last})")
-    assert not missing, f"docs/reading.md's rows miss what the step uses: {missing}"
-    for number, path, first, last, _ in counted:
-        ends = {name for name, (f, l) in definitions(path).items() if f == first or l == last}
-        assert first == 1 or ends & {name for p, name in needed if p == path}, f"row {number} starts or ends outside"
-
-
-def test_the_sentence_about_the_step_modules_rows_is_the_tables():
-    numbers = [number for number, path, *_ in rows() if path == "rlhf/step.py"]
-    expected = ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
-    assert f"rows {expected} are the whole of `rlhf/step.py`" in read("docs/reading.md").replace("\n", " ")
-
-
-def test_the_one_files_count_with_what_it_imports():
-    """ppo.py and what it uses from the package (rlhf/embedded.py aside: it builds the test bed, not the
-    algorithm), as docs/reading.md and the README quote it."""
-    top_level = [name for name in definitions("ppo.py") if "." not in name]
-    needed = reached([("ppo.py", name) for name in top_level] + [("rlhf/kl/estimators.py", "kl_k1")])
-    spans = {}
-    for path, name in needed:
-        if path not in ("ppo.py", "rlhf/embedded.py"):
-            spans.setdefault(path, set()).update(range(definitions(path)[name][0], definitions(path)[name][1] + 1))
-    total = len(read("ppo.py").splitlines()) + sum(len(lines) for lines in spans.values())
-    for page in ("docs/reading.md", "README.md"):
-        quoted = re.search(r"with what it imports,? ([\d,]+) lines", read(page).replace("\n", " "), re.I)
-        assert quoted and quoted.group(1) == f"{total:,}", (page, total)

@@ -234,15 +234,15 @@ def test_paired_noise_seeds_each_steps_sampling_by_seed_step_and_process(artifac
         calls.append((seed, step, process_index))
         return paired_noise_generator(seed, step, process_index, device)
 
-    real_rollout = rlhf.step.rollout
+    real_sample = rlhf.step.sample_responses
 
-    def rollout(*args, **kwargs):
-        batch = real_rollout(*args, **kwargs)
-        used.append(batch.seq.response_ids.clone())
-        return batch
+    def sample(*args, **kwargs):
+        seq = real_sample(*args, **kwargs)
+        used.append(seq.response_ids.clone())
+        return seq
 
     monkeypatch.setattr(rlhf.step, "paired_noise_generator", recording)
-    monkeypatch.setattr(rlhf.step, "rollout", rollout)
+    monkeypatch.setattr(rlhf.step, "sample_responses", sample)
     run(artifacts, str(tmp_path / "a"), f"rollout.paired_noise={str(paired).lower()}", "trainer.logger=none",
         "trainer.seed=7")
     assert calls == ([(7, 1, 0), (7, 2, 0)] if paired else [])

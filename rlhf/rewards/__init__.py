@@ -61,7 +61,6 @@ class RewardFn:
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     correct_threshold: float = 1.0
-    logs_parts = False  # one function: its score is the score, logged once (critic/score/mean)
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], completion_ids: Sequence[Sequence[int]],
                  fields: dict[str, Sequence]) -> list[float]:
@@ -75,16 +74,6 @@ class RewardFn:
     def part_name(self) -> str:
         """Its name as a part of a reward of several (reward/<name>/mean): the callable's, e.g. `reward_func`."""
         return self.name.rpartition(":")[2].rpartition(".")[2]
-
-    def score_parts(self, prompts, completions, completion_ids, fields) -> dict[str, list[float]]:
-        """{part_name: the scores}: WeightedReward's interface, with one part (score_batch calls it)."""
-        return {self.part_name: self(prompts, completions, completion_ids, fields)}
-
-    def combine(self, parts: dict[str, Any]) -> Any:
-        """The score from `score_parts`'s result: the one part, as it is."""
-        return parts[self.part_name]
-
-    correctness = combine  # the scores `is_correct` reads
 
     def is_correct(self, scores: Sequence[float]) -> list[bool]:
         """Whether each held-out response counts as right: score >= correct_threshold."""
@@ -102,11 +91,11 @@ class RewardFn:
 class WeightedReward:
     """reward.functions with reward.weights (TRL's reward_funcs and reward_weights): the score is the weighted
     sum of the parts' scores; whether a response is right and its final answer are the first part's alone, so a
-    shaping part (a format reward) never counts as accuracy. The interface of RewardFn."""
+    shaping part (a format reward) never counts as accuracy. Called as a RewardFn is; score_batch also logs each
+    part's scores, as reward/<name>/mean."""
 
     parts: tuple[RewardFn, ...]
     weights: tuple[float, ...]
-    logs_parts = True  # each part's scores logged too, as reward/<name>/mean
 
     @property
     def name(self) -> str:
@@ -206,12 +195,19 @@ def score_batch(reward_fn: RewardFn | WeightedReward, tokenizer, seq, rows) -> S
     prompts = tokenizer.batch_decode(rows["input_ids"])
     fields = {key: values for key, values in rows.items() if key != "input_ids"}
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    parts = {name: torch.tensor(values, dtype=torch.float32, device=seq.response_ids.device)
-             for name, values in reward_fn.score_parts(prompts, completions, completion_ids, fields).items()}
-    several = {f"reward/{name}": values for name, values in parts.items()} if reward_fn.logs_parts else {}
-    correct = reward_fn.is_correct(reward_fn.correctness(parts).tolist())
-    correct = torch.tensor(correct, dtype=torch.bool, device=seq.response_ids.device)
-    return Scored(reward_fn.combine(parts), correct, several)
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.float32, device=seq.response_ids.device)
+
+    if isinstance(reward_fn, RewardFn):  # one function: one call, its scores are the score
+        scores = judged = tensor(reward_fn(prompts, completions, completion_ids, fields))
+        parts = {}
+    else:  # several: each part's scores, weighted; the first part's judge correctness
+        parts = {name: tensor(values)
+                 for name, values in reward_fn.score_parts(prompts, completions, completion_ids, fields).items()}
+        scores, judged = reward_fn.combine(parts), reward_fn.correctness(parts)
+    correct = torch.tensor(reward_fn.is_correct(judged.tolist()), dtype=torch.bool, device=seq.response_ids.device)
+    return Scored(scores, correct, {f"reward/{name}": values for name, values in parts.items()})
 
 
 def import_reward(name: str, key: str = "reward.function") -> Callable:
