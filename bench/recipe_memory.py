@@ -3,7 +3,7 @@ checked against peaks measured on a CPU at reduced shapes.
 
     python bench/recipe_memory.py                 # docs/gpu.md's table for the PPO recipe, per card and sharding
     python bench/recipe_memory.py --recipe grpo   # the same for the GRPO recipe (no critic, rollout.n = 5)
-    python bench/recipe_memory.py --validate      # the model's error per phase against measured peaks (CPU, ~3 min)
+    python bench/recipe_memory.py --validate      # the model's error per phase against measured peaks (CPU, ~8 min)
 
 A step has four moments that do not overlap, each one's tensors freed before the next; the peak of each is the
 memory held throughout (weights, AdamW's moments, the reference: `static`) plus what that phase adds:
