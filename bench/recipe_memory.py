@@ -198,7 +198,8 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
 
     val_batch = min(cfg.data.val_batch_size, -(-(cfg.data.max_val_samples or NUM_HELD_OUT) // num_processes))
     val_rows = val_batch * max(1, cfg.trainer.val_samples)  # the sampled evaluation decodes n answers a problem
-    val_prefill = min(cfg.data.val_prefill_batch_size or val_rows, val_rows)
+    # under FSDP2 decoding takes the reference loop (rlhf.rollout.generate), whose prompt pass is whole
+    val_prefill = val_rows if sharding == "fsdp" else min(cfg.data.val_prefill_batch_size or val_rows, val_rows)
     val_prompt = val_prompt_tokens or prompt
     val_tokens = val_prompt + cfg.data.max_response_length
 
