@@ -80,10 +80,10 @@ PARTS = ("recipes", "lora_recipes", "settings_80gb", "evaluation", "lora_evaluat
 ESTIMATED_S = {"recipes": 150, "lora_recipes": 100, "settings_80gb": 60, "evaluation": 30, "lora_evaluation": 60,
                "decoding": 25, "memory_sweep": 80, "compiled_decoding": 150, "checkpoint": 10, "cuda_tests": 30,
                "embedded_default": 90}
-# --toy --device cpu: measured on the project's 2-core CPU (tests/test_gpu_check.py), rounded up
-TOY_ESTIMATED_S = {"recipes": 15, "lora_recipes": 15, "settings_80gb": 10, "evaluation": 3, "lora_evaluation": 8,
-                   "decoding": 3, "memory_sweep": 6, "compiled_decoding": 1, "checkpoint": 2, "cuda_tests": 1,
-                   "embedded_default": 25}
+# --toy --device cpu: measured on the project's 2-core CPU (2026-12-06: 0.1-2.0 s a part), rounded up
+TOY_ESTIMATED_S = {"recipes": 3, "lora_recipes": 4, "settings_80gb": 2, "evaluation": 1, "lora_evaluation": 2,
+                   "decoding": 1, "memory_sweep": 3, "compiled_decoding": 1, "checkpoint": 1, "cuda_tests": 1,
+                   "embedded_default": 3}
 LORA_RECIPES = {"ppo": "gsm8k_qwen2.5_0.5b_lora.yaml", "grpo": "gsm8k_qwen2.5_0.5b_grpo_lora.yaml"}
 NEEDED = ("torch", "transformers", "accelerate", "tokenizers", "yaml", "tqdm")
 # What one part needs beyond NEEDED: without it the part fails, saying what to bring

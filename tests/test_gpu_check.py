@@ -67,20 +67,21 @@ def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
     assert parts["checkpoint"]["gib"] > 0 and parts["checkpoint"]["seconds_to_write"] > 0
 
 
-def test_a_part_whose_estimate_does_not_fit_the_budget_left_is_skipped_and_said_so(tmp_path):
-    """--budget 24: the CUDA tests (estimated 1 s at toy size) start, the embedded default (25 s) is skipped with
-    its estimate and what was left; the default budget leaves 60 s or more under a 600 s call."""
+def test_a_part_whose_estimate_does_not_fit_the_budget_left_is_skipped_and_said_so(tmp_path, monkeypatch, capsys):
+    """A part starts where its estimate fits what is left of --budget, and is skipped, with its estimate and what
+    was left, where it does not; the default budget leaves 60 s or more under a 600 s call."""
     assert 0 < gpu_check.DEFAULT_BUDGET_S <= 600 - 60
-    done = subprocess.run([sys.executable, SCRIPT, "--toy", "--device", "cpu", "--out", str(tmp_path), "--budget", "24",
-                           "--parts", "cuda_tests", "embedded_default"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    monkeypatch.setattr(gpu_check, "TOY_ESTIMATED_S", {**gpu_check.TOY_ESTIMATED_S, "embedded_default": 10**6})
+    code = gpu_check.main(["--toy", "--device", "cpu", "--out", str(tmp_path), "--budget", "600", "--parts",
+                           "cuda_tests", "embedded_default", "--prepared", str(tmp_path / "nothing")])
     with open(tmp_path / "gpu_check.json") as f:
         parts = json.load(f)["parts"]
+    assert code == 0 and parts["cuda_tests"]["status"] == "skipped"  # started: it needs a CUDA device
     assert parts["embedded_default"]["status"] == "skipped"
-    assert parts["embedded_default"]["note"].startswith("estimated 25 s, ")
-    assert parts["embedded_default"]["note"].endswith(" s of the --budget of 24 s left")
-    assert "cuda_tests: start, estimated 1 s" in done.stdout
-    assert "embedded_default: skipped | estimated 25 s, " in done.stdout
+    note = parts["embedded_default"]["note"]
+    assert note.startswith("estimated 1000000 s, ") and note.endswith(" s of the --budget of 600 s left")
+    printed = capsys.readouterr().out
+    assert "cuda_tests: start, estimated 1 s" in printed and f"embedded_default: skipped | {note}" in printed
 
 
 def test_without_a_gpu_it_says_so_and_stops_at_once(tmp_path):
