@@ -927,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.isdir(os.path.join(args.prepared, "wheels")):
         try:
             install_wheels(os.path.join(args.prepared, "wheels"), report.log)
-        except Exception as e:  # no pip, say: the parts that need a carried package say so as they run
+        except Exception as e:  # no pip in the image, say: recorded; a part short of a package says so as it starts
             report.data["install"] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
             report.log(f"install: failed | {type(e).__name__}: {e}")
             report.write()
