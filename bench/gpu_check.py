@@ -1,7 +1,11 @@
-"""The first minutes on a GPU: one process, no network, about 8 minutes on one H200, answering what a user of the
-recipes needs to know. Prints one line per part with its numbers (so the output's tail alone answers), and writes
-one JSON (rewritten after every part, so a run cut short still leaves its data) and its log into --out (default
-outputs/gpu_check/).
+"""The first minutes on a GPU: one process, no network, within --budget (520 s by default: 80 s to spare under a
+600 s call), answering what a user of the recipes needs to know. Its first line and the JSON come before anything
+is installed or imported; then it prints one line per part as it starts (its estimated duration, ESTIMATED_S) and
+one as it ends, with its numbers (so the output's tail alone answers), and writes one JSON (rewritten after every
+part, so a run cut short still leaves its data) and its log into --out (default outputs/gpu_check/). A part
+whose estimate does not fit what is left of the budget is skipped, saying so; one short of a package it needs
+(PART_NEEDS), of pip to install the carried wheels or of a C compiler for torch.compile fails with the reason,
+and the next part runs.
 
     python bench/prepare_gpu_check.py          # first, where there is network: fills .gpu_check/ (docs/gpu.md)
     python bench/gpu_check.py --out /tmp/check # on the GPU machine, from the repository's root
@@ -23,6 +27,9 @@ reserved peaks, and the device-level peak, polled: what the CUDA context and the
   micro-batches, no checkpointing) on one mini-batch of prompts, two steps: per phase peak against the model;
 - evaluation: the greedy evaluation at each recipe's evaluation batch and response length, the actor alone:
   seconds, tokens/s and the peak above the weights against the model's;
+- lora_evaluation: each LoRA recipe's step 0, the trainer's evaluation of the bf16 base with its adapters at the
+  recipe's evaluation batch (1,319 prompts) and prefill sub-batch, as wide as the longest GSM8K test prompt: the
+  peak against the model's evaluation, seconds;
 - decoding: the eager static-cache loop under bf16 autocast at batch sizes 1-256, 128 tokens: the prefill's time
   apart from the per-token time, the device's copy bandwidth measured, and the floor it sets (the bf16 weights
   and the KV cache read once a token); the reference loop at one size;
@@ -38,7 +45,8 @@ reserved peaks, and the device-level peak, polled: what the CUDA context and the
 With --real (network needed): the base model's greedy accuracy on all 1,319 test problems (strict and
 flexible) and the PPO recipe's first --steps steps against verl's reference curve (docs/gpu.md).
 
-Without a CUDA device, or short of a package or of .gpu_check/'s files, it says which and exits at once (2).
+Without a CUDA device, or short of a package or of .gpu_check/'s files, it says which (also as the JSON's
+`error`) and exits at once (2).
 """
 
 from __future__ import annotations
@@ -60,13 +68,29 @@ import threading
 import time
 import traceback
 
+START = time.perf_counter()  # the budget counts from here, the script's start
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREPARED = os.path.join(REPO, ".gpu_check")
-PARTS = ("recipes", "lora_recipes", "settings_80gb", "evaluation", "decoding", "memory_sweep", "compiled_decoding",
-         "checkpoint", "cuda_tests", "embedded_default")
+PARTS = ("recipes", "lora_recipes", "settings_80gb", "evaluation", "lora_evaluation", "decoding", "memory_sweep",
+         "compiled_decoding", "checkpoint", "cuda_tests", "embedded_default")
+# Seconds each part is expected to take on one H100 or H200, estimated from the code (nothing has run on a GPU):
+# eager decoding host-bound at ~20 ms a token whatever the batch (every recipe's responses run to 512 tokens on
+# random weights), the update ~0.1 s a micro-batch. A part starts only where its estimate fits what is left of
+# --budget; the JSON's `seconds` are the measured times to replace these with.
+ESTIMATED_S = {"recipes": 150, "lora_recipes": 100, "settings_80gb": 60, "evaluation": 30, "lora_evaluation": 60,
+               "decoding": 25, "memory_sweep": 80, "compiled_decoding": 150, "checkpoint": 10, "cuda_tests": 30,
+               "embedded_default": 90}
+# --toy --device cpu: measured on the project's 2-core CPU (2026-12-06: 0.1-2.0 s a part), rounded up
+TOY_ESTIMATED_S = {"recipes": 3, "lora_recipes": 4, "settings_80gb": 2, "evaluation": 1, "lora_evaluation": 2,
+                   "decoding": 1, "memory_sweep": 3, "compiled_decoding": 1, "checkpoint": 1, "cuda_tests": 1,
+                   "embedded_default": 3}
 LORA_RECIPES = {"ppo": "gsm8k_qwen2.5_0.5b_lora.yaml", "grpo": "gsm8k_qwen2.5_0.5b_grpo_lora.yaml"}
-NEEDED = ("torch", "transformers", "accelerate", "tokenizers", "yaml", "tqdm", "datasets")  # datasets: embedded_default
+NEEDED = ("torch", "transformers", "accelerate", "tokenizers", "yaml", "tqdm")
+# What one part needs beyond NEEDED: without it the part fails, saying what to bring
+PART_NEEDS = {"lora_recipes": ("peft",), "lora_evaluation": ("peft",), "cuda_tests": ("pytest",),
+              "embedded_default": ("datasets",)}
 GIB = 2**30
+DEFAULT_BUDGET_S = 520  # seconds: 80 s to spare under a call of 600 s (the lent GPU's limit on one command)
 # verl's Qwen2.5-0.5B-Instruct PPO log on GSM8K (docs/gpu.md): held-out accuracy by step
 VERL_CURVE = {0: 0.0008, 9: 0.013, 19: 0.176, 29: 0.458}
 
@@ -78,9 +102,12 @@ class Report:
         os.makedirs(out_dir, exist_ok=True)
         self.path, self.log_path = os.path.join(out_dir, "gpu_check.json"), os.path.join(out_dir, "gpu_check.log")
         self.data = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                     "args": vars(args), "machine": {}, "parts": {}, "finished": False}
+                     "args": vars(args), "machine": {"python": platform.python_version()}, "parts": {},
+                     "finished": False}
         self.log_file = open(self.log_path, "w")
-        self.start, self.budget = time.perf_counter(), args.budget
+        self.budget = args.budget
+        self.log(f"gpu_check: budget {self.budget:.0f} s, parts {' '.join(args.parts)}; writing {self.path}")
+        self.write()
 
     def log(self, message: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {message}"
@@ -94,15 +121,22 @@ class Report:
         os.replace(self.path + ".part", self.path)
 
     def seconds_left(self) -> float:
-        return self.budget - (time.perf_counter() - self.start)
+        return self.budget - (time.perf_counter() - START)
+
+    def skip(self, name: str, status: str, said: str) -> None:
+        """A part not run: `status` skipped (`said` is its note) or failed (its error)."""
+        self.data["parts"][name] = {"status": status, "note" if status == "skipped" else "error": said}
+        self.log(f"{name}: {status} | {said}")
+        self.write()
 
     @contextlib.contextmanager
-    def part(self, name: str, device):
+    def part(self, name: str, device, estimated_s: float):
         """Times the part, measures its memory (PartMemory), records its results or its error, rewrites the JSON,
-        and prints one line: status, seconds, the part's `summary` and its memory."""
-        result = {"status": "running"}
+        and prints one line as it starts (its estimate) and one as it ends: status, seconds, the part's `summary`
+        and its memory."""
+        result = {"status": "running", "estimated_s": estimated_s}
         self.data["parts"][name] = result
-        self.log(f"{name}: start")
+        self.log(f"{name}: start, estimated {estimated_s:.0f} s ({self.seconds_left():.0f} s of the budget left)")
         start = time.perf_counter()
         memory = PartMemory(device)
         try:
@@ -194,33 +228,38 @@ class PartMemory:
 # ----------------------------------------------------------------------------- before anything runs
 
 
-def missing_packages() -> list[str]:
-    return [name for name in NEEDED if importlib.util.find_spec(name) is None]
+def missing_packages(needed: tuple[str, ...] | None = None) -> list[str]:
+    """Which of `needed` (default NEEDED) this Python cannot import."""
+    return [name for name in (NEEDED if needed is None else needed) if importlib.util.find_spec(name) is None]
 
 
 def install_wheels(wheel_dir: str, report_log) -> None:
-    """pip install --no-index --no-deps the carried wheels of the packages this Python lacks."""
+    """pip install --no-index --no-deps the carried wheels of the packages this Python lacks; RuntimeError with
+    pip's own last line where it fails (no pip in the image: "No module named pip")."""
     wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
     lacking = [w for w in wheels if importlib.util.find_spec(os.path.basename(w).split("-")[0].lower()) is None]
     if lacking:
         report_log(f"installing {len(lacking)} carried wheel(s): {', '.join(os.path.basename(w) for w in lacking)}")
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", *lacking],
-                       check=True)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", *lacking],
+                              capture_output=True, text=True)
+        if done.returncode:
+            said = (done.stderr or done.stdout).strip().splitlines() or [f"exit status {done.returncode}"]
+            raise RuntimeError(f"pip install of the carried wheels failed: {said[-1]}")
         importlib.invalidate_caches()
 
 
 def preflight(args) -> str | None:
     """What is missing to run, as a message naming what to bring; None when everything is there."""
+    missing = missing_packages()
+    if missing:
+        return (f"missing package(s): {', '.join(missing)}. On a machine with network: python bench/prepare_gpu_check.py "
+                f"--packages {' '.join(missing)}, and bring the repository with its .gpu_check/ folder.")
     import torch
 
     if not args.toy and args.device == "cuda" and not torch.cuda.is_available():
         built = torch.version.cuda or "none (a CPU build)"
         return (f"no CUDA device: torch {torch.__version__} (CUDA {built}) sees none. Run this on a machine with an "
                 "NVIDIA GPU and torch's CUDA build; at toy size on a CPU: --toy --device cpu.")
-    missing = missing_packages()
-    if missing:
-        return (f"missing package(s): {', '.join(missing)}. On a machine with network: python bench/prepare_gpu_check.py "
-                f"--packages {' '.join(missing)}, and bring the repository with its .gpu_check/ folder.")
     if importlib.util.find_spec("rlhf") is None:
         return ("the project is not installed: pip install --no-deps --no-build-isolation -e . (no network needed "
                 "where setuptools is installed).")
@@ -381,10 +420,10 @@ def fresh_accelerator(cfg, device):
     return Accelerator(mixed_precision=cfg.trainer.mixed_precision, cpu=device.type == "cpu")
 
 
-def build_run(cfg, rows: Rows, accelerator):
+def build_run(cfg, rows: Rows, accelerator, val_rows: Rows | None = None):
     from rlhf.setup import build_setup, load_models
 
-    return build_setup(cfg, accelerator, load_tokenizer_of(cfg), rows, None, *load_models(cfg, cfg.model.path))
+    return build_setup(cfg, accelerator, load_tokenizer_of(cfg), rows, val_rows, *load_models(cfg, cfg.model.path))
 
 
 def load_tokenizer_of(cfg):
@@ -507,8 +546,6 @@ def steps_line(name: str, record: dict) -> str:
 
 def recipes(result, args, model_dir: str, rows: Rows, tmp: str, report: Report, memory: PartMemory,
             lora: bool = False) -> None:
-    if lora and importlib.util.find_spec("peft") is None:
-        raise Skipped("peft is not installed: python bench/prepare_gpu_check.py carries its wheel (--packages peft)")
     lines = []
     for name in ("ppo", "grpo"):
         cfg = recipe_config(args, name, model_dir, os.path.join(tmp, name), lora=lora)
@@ -552,7 +589,8 @@ def evaluation(result, args, model_dir: str, tokenizer, rows: Rows, tmp: str, re
         cfg = recipe_config(args, name, model_dir, os.path.join(tmp, name))
         size = min(cfg.data.val_batch_size, len(rows))
         ids, mask = left_pad(rows[list(range(size))]["input_ids"], tokenizer.pad_token_id)
-        computed = rm.memory(cfg, shape=model_shape(args, model), prompt_tokens=ids.shape[1])
+        computed = rm.memory(cfg, shape=model_shape(args, model), prompt_tokens=ids.shape[1],
+                             val_prompt_tokens=ids.shape[1])
         memory.fold()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -561,7 +599,8 @@ def evaluation(result, args, model_dir: str, tokenizer, rows: Rows, tmp: str, re
         start = time.perf_counter()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             seq = generate(model, tokenizer, ids.to(device), mask.to(device),
-                           SamplingParams(cfg.data.max_response_length, greedy=True))
+                           SamplingParams(cfg.data.max_response_length, greedy=True),
+                           prefill_batch_size=cfg.data.val_prefill_batch_size)
         sync(device)
         seconds = time.perf_counter() - start
         tokens = int(seq.response_mask.sum())
@@ -576,6 +615,62 @@ def evaluation(result, args, model_dir: str, tokenizer, rows: Rows, tmp: str, re
         lines.append(line)
         del seq
         report.write()
+    result["summary"] = "; ".join(lines)
+
+
+def widened(rows: Rows, size: int, width: int) -> Rows:
+    """The first `size` rows, the longest of them lengthened to `width` tokens (its own tokens repeated in front)
+    where it is shorter: a batch pads to its longest prompt, so the batch is `width` wide."""
+    picked = rows[list(range(min(size, len(rows))))]
+    ids = picked["input_ids"]
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    while len(ids[longest]) < width:
+        ids[longest] = (ids[longest] + ids[longest])[-width:]
+    return Rows(picked)
+
+
+def lora_evaluation(result, args, model_dir: str, rows: Rows, tmp: str, memory: PartMemory) -> None:
+    """Step 0 of each LoRA recipe: the trainer's greedy evaluation (rlhf.held_out.evaluate) of the bf16 base with
+    its adapters, set up as for training (critic, optimizers), at the recipe's data.val_batch_size and
+    data.val_prefill_batch_size, the batch as wide as the longest GSM8K test prompt, data.max_response_length
+    tokens under bf16 autocast: seconds, and the peak against the memory model's evaluation (which counts AdamW's
+    moments, made only at the first step)."""
+    import torch
+
+    from rlhf.held_out import evaluate
+
+    device = torch.device(args.device)
+    rm = memory_model()
+    lines = []
+    for name in ("ppo", "grpo"):
+        toy = ["data.val_prefill_batch_size=3"] if args.toy else []  # toy: 4 prompts, a sub-batch not dividing them
+        cfg = recipe_config(args, name, model_dir, os.path.join(tmp, f"{name}-lora-eval"), toy, lora=True)
+        val_rows = widened(rows, cfg.data.val_batch_size, rm.GSM8K_TEST_PROMPT_TOKENS)
+        width = max(len(ids) for ids in val_rows.columns["input_ids"])
+        accelerator = fresh_accelerator(cfg, device)
+        run = build_run(cfg, rows, accelerator, val_rows)
+        computed = rm.memory(cfg, shape=model_shape(args, run.models[0]), prompt_tokens=width, val_prompt_tokens=width)
+        memory.fold()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        sync(device)
+        start = time.perf_counter()
+        metrics = evaluate(cfg, accelerator, run)
+        sync(device)
+        seconds = time.perf_counter() - start
+        record = result[name] = {
+            "batch": len(val_rows), "prefill_batch": cfg.data.val_prefill_batch_size, "prompt_width": width,
+            "response_tokens": cfg.data.max_response_length, "seconds": round(seconds, 2),
+            "answers_per_s": round(len(val_rows) / seconds, 1), "clip_ratio": metrics["val/greedy_clip_ratio"],
+            "computed_gib": round(computed["evaluation"], 3)}
+        line = (f"{name}-lora: batch {len(val_rows)} x {width} tokens, prefill {cfg.data.val_prefill_batch_size or 'whole'}"
+                f", {seconds:.1f} s")
+        if device.type == "cuda":
+            record["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+            line += f", peak {record['peak_gib']:.2f} GiB (computed {record['computed_gib']:.2f})"
+        lines.append(line)
+        del run, accelerator
+        gc.collect()
     result["summary"] = "; ".join(lines)
 
 
@@ -667,8 +762,9 @@ def compiled_decoding(result, args, model_dir: str, tokenizer, rows: Rows, repor
 
     if args.toy:  # compiling takes ~30 s on a CPU: tests/test_decode.py covers the compiled step there
         raise Skipped("not at toy size: tests/test_decode.py compiles the step on the CPU")
-    if report.seconds_left() < 120:
-        raise Skipped("less than 120 s of --budget left")
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH: torch.compile builds its kernels' launchers "
+                           "with one; install one (apt-get install gcc) or leave this part out")
     device = torch.device(args.device)
     model = load_causal_lm(model_dir, "float32").to(device).eval()
     tokens, batch_size = 128, 256
@@ -799,12 +895,12 @@ def real_mode(report, args, tmp: str) -> None:
     recipe = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b.yaml")
     out = os.path.join(args.out, "real_run")
     device = torch.device(args.device)
-    with report.part("real_base_accuracy", device) as (result, _):
+    with report.part("real_base_accuracy", device, 300) as (result, _):
         from rlhf.evaluate import evaluate_models
 
         evaluated = evaluate_models(load_config(recipe, []), {"model": "Qwen/Qwen2.5-0.5B-Instruct"}, recipe)
         result.update(num_problems=evaluated["num_problems"], metrics=evaluated["metrics"]["model"])
-    with report.part("real_first_steps", device) as (result, _):
+    with report.part("real_first_steps", device, 60 * args.steps) as (result, _):
         train.main(load_config(recipe, [f"trainer.output_dir={out}", f"trainer.total_steps={args.steps}",
                                         "trainer.logger=none", "trainer.save_freq=0"]))
         rows = read_metrics(os.path.join(out, "metrics.jsonl"))
@@ -823,16 +919,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real", action="store_true", help="networked machine: real weights and GSM8K from the hub")
     parser.add_argument("--steps", type=int, default=20, help="--real: PPO steps to compare with verl's curve")
     parser.add_argument("--prepared", default=PREPARED, help="what bench/prepare_gpu_check.py wrote")
-    parser.add_argument("--budget", type=float, default=480, help="seconds: a part not started by then is skipped, "
-                                                                  "and the compiled decoding step needs 120 s left")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                        help="seconds from the start: a part whose estimate does not fit what is left is skipped")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
         parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+    report = Report(args.out, args)  # the first line and the JSON, before anything is installed or imported
     if os.path.isdir(os.path.join(args.prepared, "wheels")):
-        install_wheels(os.path.join(args.prepared, "wheels"), print)
+        try:
+            install_wheels(os.path.join(args.prepared, "wheels"), report.log)
+        except Exception as e:  # no pip in the image, say: recorded; a part short of a package says so as it starts
+            report.data["install"] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+            report.log(f"install: failed | {type(e).__name__}: {e}")
+            report.write()
     problem = preflight(args)
     if problem:
+        report.data["error"] = problem
+        report.write()
         print(f"error: {problem}", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -841,7 +945,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    report = Report(args.out, args)
     device = torch.device(args.device)
     report.data["machine"] = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
@@ -849,13 +952,20 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__,
         "python": platform.python_version()}
     report.write()
-    report.log(f"{report.data['machine']}; parts: {' '.join(args.parts)}")
+    report.log(f"{report.data['machine']}")
+    estimates = TOY_ESTIMATED_S if args.toy else ESTIMATED_S
+
     def wanted(name: str) -> bool:
         if name not in args.parts:
             return False
-        if report.seconds_left() <= 0:
-            report.data["parts"][name] = {"status": "skipped", "note": f"over the --budget of {args.budget:.0f} s"}
-            report.write()
+        left, missing = report.seconds_left(), missing_packages(PART_NEEDS.get(name, ()))
+        if estimates[name] > left:
+            report.skip(name, "skipped", f"estimated {estimates[name]:.0f} s, {max(left, 0):.0f} s of the --budget "
+                                         f"of {args.budget:.0f} s left")
+            return False
+        if missing:
+            report.skip(name, "failed", f"missing package(s) {', '.join(missing)}: python bench/prepare_gpu_check.py "
+                                        f"--packages {' '.join(missing)} carries their wheels")
             return False
         return True
 
@@ -875,6 +985,7 @@ def main(argv: list[str] | None = None) -> int:
                 "lora_recipes": lambda r, m: recipes(r, args, model_dir, rows, tmp, report, m, lora=True),
                 "settings_80gb": lambda r, m: settings_80gb(r, args, model_dir, rows, tmp, report, m),
                 "evaluation": lambda r, m: evaluation(r, args, model_dir, tokenizer, rows, tmp, report, m),
+                "lora_evaluation": lambda r, m: lora_evaluation(r, args, model_dir, rows, tmp, m),
                 "decoding": lambda r, m: decoding(r, args, model_dir, tokenizer, rows, report),
                 "memory_sweep": lambda r, m: memory_sweep(r, args, model_dir, rows, tmp, m),
                 "compiled_decoding": lambda r, m: compiled_decoding(r, args, model_dir, tokenizer, rows, report),
@@ -884,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             for name in PARTS:
                 if wanted(name):
-                    with report.part(name, device) as (result, memory):  # its memory: after the previous part's is freed
+                    with report.part(name, device, estimates[name]) as (result, memory):  # its memory: after the previous part's is freed
                         parts[name](result, memory)
     report.data["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report.write()

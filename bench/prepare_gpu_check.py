@@ -16,8 +16,8 @@ What it writes into --out (default .gpu_check/), 64 MiB at most in all (it stops
 - wheels/: the packages the GPU image lacks, for Python --python-version on --platform, each at the version
   installed here (pip download --no-deps --only-binary=:all:). The default list is what the project needs beyond
   torch, transformers, accelerate and what they bring, less what the lent H200 image has (it has pyarrow,
-  pandas, xxhash, pyyaml, tqdm): datasets, dill, multiprocess, and peft for the LoRA recipes. A bare image may
-  lack more: name them;
+  pandas, xxhash, pyyaml, tqdm): datasets, dill, multiprocess, peft for the LoRA recipes, and pytest with
+  iniconfig, pluggy and pygments for the check's CUDA tests. A bare image may lack more: name them;
 - manifest.json: every file, its size and where it came from, and the date.
 
 Whether the hub answers is asked once, at the start (a connection to HF_ENDPOINT, 5 s at most); where it does
@@ -39,7 +39,7 @@ import urllib.parse
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_BYTES = 64 * 2**20
-DEFAULT_PACKAGES = ("datasets", "dill", "multiprocess", "peft")
+DEFAULT_PACKAGES = ("datasets", "dill", "multiprocess", "peft", "pytest", "iniconfig", "pluggy", "pygments")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"

@@ -3,14 +3,14 @@ checked against peaks measured on a CPU at reduced shapes.
 
     python bench/recipe_memory.py                 # docs/gpu.md's table for the PPO recipe, per card and sharding
     python bench/recipe_memory.py --recipe grpo   # the same for the GRPO recipe (no critic, rollout.n = 5)
-    python bench/recipe_memory.py --validate      # the model's error per phase against measured peaks (CPU, ~3 min)
+    python bench/recipe_memory.py --validate      # the model's error per phase against measured peaks (CPU, ~8 min)
 
 A step has four moments that do not overlap, each one's tensors freed before the next; the peak of each is the
 memory held throughout (weights, AdamW's moments, the reference: `static`) plus what that phase adds:
 - sampling: the autocast copy of the actor's weights (bf16, cached for the whole decoding), and the largest of
-  the prefill (the prompts' KV cache while the MLP of a layer runs on every prompt token: gate, up and their
-  product), the copy of the prompts' cache into the static cache (rlhf/decode.py: both at once), and the decoding
-  (the static cache, the last position's logits and the sampler's float32 noise, a few (B, V) tensors);
+  the prefill (the prompts' KV cache while the MLP of a layer runs on every prompt token: `prefill_activations`),
+  the copy of the prompts' cache into the static cache (rlhf/decode.py: both at once), and the decoding (the
+  static cache, the last position's logits and the sampler's float32 noise, a few (B, V) tensors);
 - the rollout's log-prob pass, per micro-batch of rollout.log_prob_micro_batch_size: the actor's and the
   reference's logits alive together (for the exact KL), and the larger of two moments: the log-probs' (float32
   blocks of LOGITS_CHUNK_ROWS rows, read from the logits as they are) and the exact KL's (flat copies of both
@@ -21,7 +21,11 @@ memory held throughout (weights, AdamW's moments, the reference: `static`) plus 
   entropy recompute their float32 blocks in the backward, core_algos), the layers' inputs (gradient
   checkpointing) or all their activations; and the larger of two moments: the forward's float32 blocks, and the
   backward's start, where the log-probs' (B, R, V) gradient and float32 blocks exist beside the logits;
-- the optimizer step: fused AdamW's temporaries, one parameter tensor's size (small).
+- the optimizer step: fused AdamW's temporaries, one parameter tensor's size (small);
+- the evaluation, at its largest batch (data.val_batch_size problems, times trainer.val_samples when it samples
+  answers too) and the longest test prompt: the sampling's three moments, where the prefill runs on
+  data.val_prefill_batch_size prompts at a time, each sub-batch's cache copied into the static cache, which
+  exists from the first sub-batch's copy on (rlhf/decode.py).
 With several processes: DDP adds its gradient buckets (a second copy of the gradients, 25 MB buckets packed
 from them: counted as the whole gradients' size); FSDP2 divides the actor's and the critic's weights, gradients
 and AdamW moments by the number of processes, gathers one decoder layer at a time (counted: one layer's weights)
@@ -30,10 +34,13 @@ attention's own buffers (SDPA's memory-efficient and flash kernels keep none the
 
 --validate builds Qwen2 models of reduced shapes (the real recipe's proportions at a smaller width, vocabulary
 and batch), runs two rlhf.step.train_step's of each case on the CPU in a fresh process (float32, no autocast: this
-CPU multiplies bf16 matrices 30x slower than float32), and compares each phase's measured peak (the process's
-peak resident memory during the phase, less the process's own overhead, found as its resident memory before
-the phase less the tensors it holds) with the model's. It prints the error per phase, and of the part above
-`static`, and exits 1 where a phase's peak is off by more than 15%.
+CPU multiplies bf16 matrices 30x slower than float32) and the trainer's evaluation after them, and compares each
+phase's measured peak (the process's peak resident memory during the phase, less the process's own overhead,
+found as its resident memory before the phase less the tensors it holds) with the model's. At Qwen2.5-0.5B's
+width it counts what a decoder layer keeps for its backward (saved-tensor hooks) and what a token of the prompt
+pass holds (the resident peak of a 2-layer model's prefill: float32, bf16 weights under autocast, with PEFT's
+float32 adapters). It prints the error per phase, and of the part above `static`, and exits 1 where a number is
+off by more than 15%.
 """
 
 from __future__ import annotations
@@ -60,7 +67,11 @@ GRPO_RECIPE = os.path.join(REPO, "configs", "gsm8k_qwen2.5_0.5b_grpo.yaml")
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-GSM8K_PROMPT_TOKENS = 256  # the longest chat-templated GSM8K prompt in a batch, about (docs/gpu.md)
+# The longest chat-templated GSM8K prompts, Qwen2.5-Instruct's tokenizer and template (lab.real_parts), the default
+# instruction: of the 7,473 training problems (a training batch pads to its longest) and of the 1,319 test problems
+# (an evaluation batch); measured on openai/grade-school-math's files (docs/gpu.md, "Memory per GPU")
+GSM8K_PROMPT_TOKENS = 256
+GSM8K_TEST_PROMPT_TOKENS = 232
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 # The table's columns: (label, card GB as sold, sharding, processes). 80 GB+ tries checkpointing off first.
 CARDS = [("24 GB, 1 GPU", 24, "none", 1), ("24 GB, DDP", 24, "ddp", 2), ("24 GB, FSDP2 x2", 24, "fsdp", 2),
@@ -139,10 +150,12 @@ def cache_keeps_value_dtype() -> bool:
 
 def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, sharding: str = "none",
            mixed_precision: str | None = None, prompt_tokens: int | None = None,
-           transformers: str | None = None, lora: LoRA | None = None) -> dict[str, float]:
+           transformers: str | None = None, lora: LoRA | None = None,
+           val_prompt_tokens: int | None = None) -> dict[str, float]:
     """GiB per process: each row (the module docstring), 'static', each phase of PHASES and 'peak'.
     `sharding`: none (one GPU), ddp or fsdp over `num_processes`; `mixed_precision` defaults to the config's
-    trainer.mixed_precision; `prompt_tokens` to data.max_prompt_length (the longest prompt of a batch);
+    trainer.mixed_precision; `prompt_tokens` to data.max_prompt_length (the longest prompt of a batch), and
+    `val_prompt_tokens` (the evaluation's) to `prompt_tokens`;
     `transformers` ("5.17" or "5.2x", TRANSFORMERS) sets the KV cache's value dtype, by default the installed
     one's; `lora` the adapters (default: the config's model.lora, lora_of): the base frozen in model.dtype,
     adapters, their gradients and AdamW moments in float32, no reference copy (the reference is the policy with its
@@ -184,6 +197,11 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
     layer_params = (actor - v * h - h) / layers
 
     val_batch = min(cfg.data.val_batch_size, -(-(cfg.data.max_val_samples or NUM_HELD_OUT) // num_processes))
+    val_rows = val_batch * max(1, cfg.trainer.val_samples)  # the sampled evaluation decodes n answers a problem
+    # under FSDP2 decoding takes the reference loop (rlhf.rollout.generate), whose prompt pass is whole
+    val_prefill = val_rows if sharding == "fsdp" else min(cfg.data.val_prefill_batch_size or val_rows, val_rows)
+    val_prompt = val_prompt_tokens or prompt
+    val_tokens = val_prompt + cfg.data.max_response_length
 
     def kv_cache(num_sequences, num_tokens):
         return layers * num_sequences * num_tokens * kv_dim * (key_bytes + value_bytes)
@@ -210,7 +228,7 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
         "autocast copy of the weights (bf16)": (actor * 2 if autocast and weight == 4 else 0) + (adapters * 2 if autocast else 0),
         "KV cache (sampling)": kv_cache(batch, tokens),
         "prompts' KV cache (sampling)": kv_cache(batch, prompt),
-        "prefill MLP (sampling)": 3 * batch * prompt * mlp * compute,
+        "prefill activations (sampling)": batch * prompt * prefill_activations(shape, prompt, compute, lora),
         "decoding step (sampling)": decoding_step(batch),
         # the actor's and the reference's logits alive together; a float32 block divided by the temperature and
         # logsumexp's two temporaries
@@ -237,9 +255,11 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
         "layer activations kept, update": micro * tokens * (
             h * weight * layers + layer_activations(shape, weight, compute, lora) if cfg.model.gradient_checkpointing
             else layers * layer_activations(shape, weight, compute, lora)),
-        "KV cache (evaluation)": kv_cache(val_batch, tokens),
-        "prompts' KV cache (evaluation)": kv_cache(val_batch, prompt),
-        "decoding step (evaluation)": decoding_step(val_batch),
+        "KV cache (evaluation)": kv_cache(val_rows, val_tokens),
+        "prompts' KV cache, a prefill sub-batch (evaluation)": kv_cache(val_prefill, val_prompt),
+        "prefill activations, a sub-batch (evaluation)": (val_prefill * val_prompt
+                                                          * prefill_activations(shape, val_prompt, compute, lora)),
+        "decoding step (evaluation)": decoding_step(val_rows),
     }
     out = {key: value / GIB for key, value in out.items()}
     gathered = out["FSDP2 gathered layer"]
@@ -247,7 +267,7 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
                                          "critic weights", "critic adapters (float32)", "critic AdamW moments",
                                          "reference"))
     held = out["static"] + out["autocast copy of the weights (bf16)"] + gathered
-    out["sampling"] = held + max(out["prompts' KV cache (sampling)"] + out["prefill MLP (sampling)"],
+    out["sampling"] = held + max(out["prompts' KV cache (sampling)"] + out["prefill activations (sampling)"],
                                  out["prompts' KV cache (sampling)"] + out["KV cache (sampling)"],
                                  out["KV cache (sampling)"] + out["decoding step (sampling)"])
     out["log-prob pass"] = held + out["logits, log-prob pass"] + max(
@@ -257,10 +277,25 @@ def memory(cfg: Config, shape: dict = QWEN2_5_0_5B, num_processes: int = 1, shar
                      + max(out["float32 blocks, update forward"],
                            out["logits' gradient and float32 blocks, update backward"]))
     out["optimizer step"] = out["static"] + out["gradients (update)"] + out["DDP gradient buckets (update)"]
-    out["evaluation"] = held + max(out["prompts' KV cache (evaluation)"] + out["KV cache (evaluation)"],
-                                   out["KV cache (evaluation)"] + out["decoding step (evaluation)"])
+    # a sub-batch's prefill runs beside the static cache unless it is the first (the cache is made after it)
+    sub_batch = out["prompts' KV cache, a prefill sub-batch (evaluation)"]
+    out["evaluation"] = held + max(
+        sub_batch + out["prefill activations, a sub-batch (evaluation)"]
+        + (out["KV cache (evaluation)"] if val_prefill < val_rows else 0),
+        sub_batch + out["KV cache (evaluation)"], out["KV cache (evaluation)"] + out["decoding step (evaluation)"])
     out["peak"] = max(out[phase] for phase in PHASES)
     return out
+
+
+def prefill_activations(shape: dict, prompt_tokens: int, compute: int, lora: LoRA | None = None) -> int:
+    """Bytes a token of the prompt pass (no gradients) holds at its peak, in a layer's MLP: three MLP-wide
+    tensors in the compute dtype (act(gate) and up while their product is made), four with PEFT's adapters (the
+    base layer's output, the adapter's scaled output and their out-of-place sum beside act(gate) in up_proj; in
+    down_proj the input, its float32 copy for the float32 adapter and autocast's bf16 copy of that come to as
+    much); beside them the residual stream and the norm's output, the norm's float32 input and product, and the
+    4D attention mask (one byte per prompt position). measured_prefill_activations counts them on the CPU."""
+    h, mlp = shape["hidden_size"], shape["intermediate_size"]
+    return (4 if lora else 3) * mlp * compute + 2 * h * compute + 2 * h * 4 + prompt_tokens
 
 
 def layer_activations(shape: dict, weight: int, compute: int, lora: LoRA | None = None) -> int:
@@ -329,6 +364,51 @@ def measured_layer_activations(shape: dict, autocast: bool, num_tokens: int = 50
     return (saved_bytes(3) - saved_bytes(1)) / 2 / (2 * num_tokens)
 
 
+PREFILL_SETTINGS = {"float32": ("float32", False, None), "bf16 weights": ("bfloat16", True, None),
+                    "bf16 weights, LoRA rank 32": ("bfloat16", True, LoRA(32))}
+
+
+def measured_prefill_activations(setting: str, num_prompts: int = 4, num_tokens: int = 128) -> float:
+    """Bytes a token of the prompt pass holds at its peak beyond the KV cache, on the CPU in this (fresh) process:
+    a 2-layer Qwen2 of Qwen2.5-0.5B's width (PREFILL_SETTINGS: its weights, bf16 autocast, PEFT's adapters) runs
+    the prompts' forward as rlhf.decode does (no gradients, the cache kept, the last position's logits); the peak
+    resident set (VmHWM) less the one before it, with freed memory returned to the system
+    (MALLOC_MMAP_THRESHOLD_, set by validate). A first forward in the same autocast region leaves its cached
+    bf16 copies of float32 weights (the adapters') out of the count."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    weight, autocast, lora = PREFILL_SETTINGS[setting]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = Qwen2Config(**{**QWEN2_5_0_5B, "num_hidden_layers": 2, "vocab_size": 512})
+    config._attn_implementation = "sdpa"
+    model = Qwen2ForCausalLM(config).to(getattr(torch, weight)).eval()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.rank,
+                                                 target_modules=list(lora.target_modules))).base_model.model
+    ids = torch.randint(1, 512, (num_prompts, num_tokens))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding, as an evaluation batch has
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+
+    def prefill():
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        prefill()
+        before = _status_kb("VmRSS") * 1024
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        out = prefill()
+        peak = _status_kb("VmHWM") * 1024
+    cache = getattr(out, "cache", None) or out.past_key_values
+    cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return (peak - before - cache_bytes) / (num_prompts * num_tokens)
+
+
 def table(columns: dict[str, dict[str, float]]) -> str:
     """Markdown: one row per kind of tensor and per phase, one column per setting; rows that are 0 in every
     column are left out."""
@@ -375,9 +455,11 @@ def usable_gib(card_gb: int) -> float:
 
 
 def fitting_overrides(recipe: str, card_gb: int, sharding: str, processes: int,
-                      prompt_tokens: int = GSM8K_PROMPT_TOKENS) -> list[str] | None:
+                      prompt_tokens: int = GSM8K_PROMPT_TOKENS,
+                      val_prompt_tokens: int = GSM8K_TEST_PROMPT_TOKENS) -> list[str] | None:
     """The largest micro-batch sizes (actor.ppo_micro_batch_size dividing a process's mini-batch share,
-    rollout.log_prob_micro_batch_size a power of two) and the fewest evaluation batches (data.val_batch_size)
+    rollout.log_prob_micro_batch_size a power of two), the fewest evaluation batches (data.val_batch_size) and
+    the largest prefill sub-batch for them (data.val_prefill_batch_size, a power of two, or the whole batch)
     whose computed peak fits the card; gradient checkpointing off where the update then still fits with a
     micro-batch of 8 or more (80 GB and larger). None if nothing fits."""
     base, _ = load_recipe(RECIPES[recipe])
@@ -387,8 +469,18 @@ def fitting_overrides(recipe: str, card_gb: int, sharding: str, processes: int,
     def fits(overrides, phase):  # on every transformers of TRANSFORMERS, with MARGIN_GIB to spare
         cfg, lora = load_recipe(RECIPES[recipe], overrides)
         return all(memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens,
-                          transformers=version, lora=lora)[phase] <= usable_gib(card_gb) - MARGIN_GIB
-                   for version in TRANSFORMERS)
+                          transformers=version, lora=lora, val_prompt_tokens=val_prompt_tokens)[phase]
+                   <= usable_gib(card_gb) - MARGIN_GIB for version in TRANSFORMERS)
+
+    def evaluation(chosen):  # the fewest batches, then the largest prefill sub-batch
+        share_held_out = -(-NUM_HELD_OUT // processes)
+        for val in dict.fromkeys(-(-share_held_out // k) for k in range(1, share_held_out + 1)):
+            rows = val * max(1, base.trainer.val_samples)
+            for prefill in [None, *(2**i for i in range(rows.bit_length() - 1, -1, -1) if 2**i < rows)]:
+                sizes = [f"data.val_batch_size={val}", f"data.val_prefill_batch_size={prefill or 'null'}"]
+                if fits([*chosen, *sizes], "evaluation"):
+                    return sizes
+        return None
 
     for checkpointing in ((False, True) if card_gb >= 80 else (True,)):
         flag = [f"model.gradient_checkpointing={str(checkpointing).lower()}"]
@@ -398,17 +490,16 @@ def fitting_overrides(recipe: str, card_gb: int, sharding: str, processes: int,
         chosen = [*flag, f"actor.ppo_micro_batch_size={micro}"]
         log_micro = next((m for m in (64, 32, 16, 8, 4, 2, 1)
                           if fits([*chosen, f"rollout.log_prob_micro_batch_size={m}"], "log-prob pass")), None)
-        share_held_out = -(-NUM_HELD_OUT // processes)
-        val = next((-(-share_held_out // k) for k in range(1, share_held_out + 1)
-                    if fits([*chosen, f"data.val_batch_size={-(-share_held_out // k)}"], "evaluation")), None)
+        val = evaluation(chosen)
         if log_micro is None or val is None or not fits([*chosen, f"rollout.log_prob_micro_batch_size={log_micro}"],
                                                          "sampling"):
             return None
-        return [*chosen, f"rollout.log_prob_micro_batch_size={log_micro}", f"data.val_batch_size={val}"]
+        return [*chosen, f"rollout.log_prob_micro_batch_size={log_micro}", *val]
     return None
 
 
-def recipe_columns(recipe: str, prompt_tokens: int = GSM8K_PROMPT_TOKENS) -> dict[str, dict[str, float]]:
+def recipe_columns(recipe: str, prompt_tokens: int = GSM8K_PROMPT_TOKENS,
+                   val_prompt_tokens: int = GSM8K_TEST_PROMPT_TOKENS) -> dict[str, dict[str, float]]:
     """One column per card of CARDS (no FSDP2 column for a LoRA recipe: the adapters leave little to shard): the
     recipe with the micro-batch sizes that fit it (fitting_overrides); a card nothing fits on gets a column of the
     recipe's own sizes, marked as not fitting."""
@@ -416,16 +507,17 @@ def recipe_columns(recipe: str, prompt_tokens: int = GSM8K_PROMPT_TOKENS) -> dic
     for label, card_gb, sharding, processes in CARDS:
         if recipe in LORA_RECIPES and sharding == "fsdp":
             continue
-        overrides = fitting_overrides(recipe, card_gb, sharding, processes, prompt_tokens)
+        overrides = fitting_overrides(recipe, card_gb, sharding, processes, prompt_tokens, val_prompt_tokens)
         cfg, lora = load_recipe(RECIPES[recipe], overrides or [])
+        prefill = cfg.data.val_prefill_batch_size
         settings = (f"micro {cfg.actor.ppo_micro_batch_size}, log-prob micro {cfg.rollout.log_prob_micro_batch_size}, "
-                    f"eval batch {cfg.data.val_batch_size}"
+                    f"eval batch {cfg.data.val_batch_size}" + (f" (prefill {prefill} at a time)" if prefill else "")
                     + ("" if cfg.model.gradient_checkpointing else ", no checkpointing"))
         name = f"{label}: {settings}" if overrides else f"{label}: does not fit ({settings})"
-        column = memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens, transformers="5.2x",
-                        lora=lora)
-        peaks = {version: memory(cfg, num_processes=processes, sharding=sharding, prompt_tokens=prompt_tokens,
-                                 transformers=version, lora=lora)["peak"] for version in TRANSFORMERS}
+        lengths = dict(prompt_tokens=prompt_tokens, val_prompt_tokens=val_prompt_tokens)
+        column = memory(cfg, num_processes=processes, sharding=sharding, transformers="5.2x", lora=lora, **lengths)
+        peaks = {version: memory(cfg, num_processes=processes, sharding=sharding, transformers=version, lora=lora,
+                                 **lengths)["peak"] for version in TRANSFORMERS}
         column.update({f"peak on transformers {version}": peak for version, peak in peaks.items()})
         column["card less the allowance"] = usable_gib(card_gb)
         column["margin"] = usable_gib(card_gb) - max(peaks.values())
@@ -440,28 +532,33 @@ def recipe_columns(recipe: str, prompt_tokens: int = GSM8K_PROMPT_TOKENS) -> dic
 # vocabulary and batch, so that a case runs in tens of seconds on a 2-core CPU in float32.
 VALIDATION_SHAPE = dict(hidden_size=320, intermediate_size=1728, num_hidden_layers=4, num_attention_heads=5,
                         num_key_value_heads=1, vocab_size=24_576, tie_word_embeddings=True)
+# The evaluation (32 problems a batch): its prompt pass in sub-batches of 8 (ppo), whole (the others), with 2
+# sampled answers a problem (grpo: 64 rows), with PEFT's adapters (ppo-lora).
 VALIDATION_CASES = {
     "ppo": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=32",
-            "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4", "rollout.log_prob_micro_batch_size=8"],
+            "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4", "rollout.log_prob_micro_batch_size=8",
+            "data.val_prefill_batch_size=8"],
     "ppo, no checkpointing": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=32",
                               "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4",
                               "rollout.log_prob_micro_batch_size=8", "model.gradient_checkpointing=false"],
     "grpo": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=8",
-             "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=10", "rollout.log_prob_micro_batch_size=20"],
+             "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=10", "rollout.log_prob_micro_batch_size=20",
+             "trainer.val_samples=2"],
     # measured where peft is installed (the lora extra); float32 weights, as the other cases
     "ppo-lora": ["data.max_prompt_length=64", "data.max_response_length=128", "data.train_batch_size=32",
                  "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4", "rollout.log_prob_micro_batch_size=8",
-                 "model.dtype=float32"],
+                 "model.dtype=float32", "data.val_prefill_batch_size=null"],
 }
 MEASURED_PHASES = {"sampling": ("gen",), "log-prob pass": ("old_log_prob", "ref", "values"),
-                   "update": ("update_actor", "update_critic"), "optimizer step": ("update_step",)}
+                   "update": ("update_actor", "update_critic"), "optimizer step": ("update_step",),
+                   "evaluation": ("evaluation",)}
 
 
 def validation_config(case: str, model_dir: str, out_dir: str) -> Config:
     recipe = LORA_RECIPES[case] if case in LORA_RECIPES else GRPO_RECIPE if case.startswith("grpo") else RECIPE
     return load_config(recipe, [*VALIDATION_CASES[case], f"model.path={model_dir}", "model.ref_dtype=float32",
                                 "trainer.mixed_precision=no", "trainer.logger=none", f"trainer.output_dir={out_dir}",
-                                "rollout.ignore_eos=true", "data.val_batch_size=8"])
+                                "rollout.ignore_eos=true", "data.val_batch_size=32"])
 
 
 def _status_kb(field: str) -> int:
@@ -472,10 +569,10 @@ def _status_kb(field: str) -> int:
 
 
 def measure_case(case: str) -> dict[str, float]:
-    """In this (fresh) process: the peak tensor memory of each phase of the second of two steps of `case`, GiB:
-    the peak resident set during the phase (VmHWM, reset through /proc/self/clear_refs as the phase starts) less
-    the process's overhead (its resident set before the step less the tensors it holds then: parameters and
-    AdamW moments)."""
+    """In this (fresh) process: the peak tensor memory of each phase of the second of two steps of `case`, and of
+    the trainer's evaluation after it, GiB: the peak resident set during the phase (VmHWM, reset through
+    /proc/self/clear_refs as the phase starts) less the process's overhead (its resident set before the step less
+    the tensors it holds then: parameters and AdamW moments)."""
     import tempfile
 
     import torch
@@ -484,6 +581,7 @@ def measure_case(case: str) -> dict[str, float]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rlhf.embedded import generate_problems, train_tokenizer
+    from rlhf.held_out import evaluate
     from rlhf.models import load_tokenizer
     from rlhf.setup import build_setup, load_models
     from rlhf.tracking import Timer
@@ -519,10 +617,13 @@ def measure_case(case: str) -> dict[str, float]:
         tokenizer = load_tokenizer(tmp)
         cfg = validation_config(case, tmp, os.path.join(tmp, "run"))
         prompt = cfg.data.max_prompt_length
-        rows = {"input_ids": [[3 + (7 * i + j) % 400 for j in range(prompt)] for i in range(cfg.data.train_batch_size)],
-                "ground_truth": ["1"] * cfg.data.train_batch_size}
+        def prompts(num):
+            return Dataset.from_dict({"input_ids": [[3 + (7 * i + j) % 400 for j in range(prompt)] for i in range(num)],
+                                      "ground_truth": ["1"] * num})
+
         accelerator = Accelerator(mixed_precision="no")
-        run = build_setup(cfg, accelerator, tokenizer, Dataset.from_dict(rows), None, *load_models(cfg, tmp))
+        run = build_setup(cfg, accelerator, tokenizer, prompts(cfg.data.train_batch_size),
+                          prompts(cfg.data.val_batch_size), *load_models(cfg, tmp))
         plan = plan_step(cfg, accelerator.mixed_precision)
         train_step(cfg, plan, accelerator, run, 1, Timer())  # the first: AdamW's moments, lazy set-up
         models = [m for m in run.models if hasattr(m, "parameters")]  # a LoRA run's reference holds no weights
@@ -530,7 +631,10 @@ def measure_case(case: str) -> dict[str, float]:
         held += sum(t.numel() * t.element_size() for opt in run.optimizers if opt is not None
                     for state in opt.optimizer.state.values() for t in state.values() if torch.is_tensor(t))
         overhead = _status_kb("VmRSS") * 1024 - held
-        train_step(cfg, plan, accelerator, run, 2, PhaseMemory())
+        probe = PhaseMemory()
+        train_step(cfg, plan, accelerator, run, 2, probe)
+        with probe("evaluation"):
+            evaluate(cfg, accelerator, run, 2)
     return {phase: (max(peaks.get(n, 0) for n in names) - overhead) / GIB for phase, names in MEASURED_PHASES.items()
             if any(n in peaks for n in names)}
 
@@ -568,6 +672,18 @@ def validate() -> int:
         computed = layer_activations(QWEN2_5_0_5B, BYTES[weight], 2 if autocast else BYTES[weight], lora)
         worst = max(worst, abs(computed / measured - 1))
         print(f"| {name} | {measured:,.0f} | {computed:,} | {computed / measured - 1:+.1%} |")
+    # The prompt pass's peak a token, at the same width: bf16 weights and PEFT's float32 adapters under autocast
+    # as the LoRA recipes evaluate, each in a fresh process (the resident set's peak)
+    print("\n| Qwen2.5-0.5B's prompt pass, per token | measured B | computed B | error |\n|---|---|---|---|")
+    for name, (weight, autocast, lora) in PREFILL_SETTINGS.items():
+        if lora and importlib.util.find_spec("peft") is None:
+            print(f"| {name} | not measured: peft is not installed | | |")
+            continue
+        measured = json.loads(subprocess.run([sys.executable, __file__, "--measure-prefill", name], env=env, check=True,
+                                             capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        computed = prefill_activations(QWEN2_5_0_5B, 128, 2 if autocast else BYTES[weight], lora)
+        worst = max(worst, abs(computed / measured - 1))
+        print(f"| {name} | {measured:,.0f} | {computed:,} | {computed / measured - 1:+.1%} |", flush=True)
     print(f"largest error: {worst:.1%} ({'within' if worst <= 0.15 else 'OVER'} 15%)")
     return 0 if worst <= 0.15 else 1
 
@@ -580,14 +696,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="ppo: configs/gsm8k_qwen2.5_0.5b.yaml; grpo: configs/gsm8k_qwen2.5_0.5b_grpo.yaml")
     parser.add_argument("--validate", action="store_true", help="compare with peaks measured on this CPU")
     parser.add_argument("--measure", choices=sorted(VALIDATION_CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--measure-prefill", choices=sorted(PREFILL_SETTINGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
         print(json.dumps(measure_case(args.measure)))
         return 0
+    if args.measure_prefill:
+        print(json.dumps(measured_prefill_activations(args.measure_prefill)))
+        return 0
     if args.validate:
         return validate()
     print(f"Qwen2.5-0.5B: {num_parameters() / 1e6:.1f}M parameters (tied embeddings); "
-          f"{RECIPES[args.recipe].removeprefix(REPO + os.sep)}, prompts of {GSM8K_PROMPT_TOKENS} tokens; a card holds "
+          f"{RECIPES[args.recipe].removeprefix(REPO + os.sep)}, prompts of {GSM8K_PROMPT_TOKENS} tokens (evaluation: "
+          f"{GSM8K_TEST_PROMPT_TOKENS}); a card holds "
           f"its GB less {RESERVED_GIB:.0f} GiB (CUDA context, allocator slack)\n")
     print(table(recipe_columns(args.recipe)))
     return 0

@@ -67,6 +67,7 @@ class DataConfig:
     max_response_length: int = 256  # generation stops at EOS or here
     train_batch_size: int = 64  # prompts per PPO step, over all processes
     val_batch_size: int = 64  # prompts per greedy-evaluation batch on each process
+    val_prefill_batch_size: int | None = None  # prompts per forward of the evaluation's prompt pass, whose keys and values go into the decoding's cache one sub-batch at a time, so the pass holds one sub-batch's activations (the same tokens; not under FSDP2, whose decoding loop runs it whole); None = a whole batch (x trainer.val_samples when sampling) at once
     reward_method: str = "strict"  # GSM8K's rule (the default reward.function): strict: last "#### N"; flexible: last number
 
 

@@ -92,6 +92,8 @@ def validate(cfg) -> None:
         _positive(key, getattr(node, name), allow_zero=True)
     if d.max_val_samples is not None:
         _positive("data.max_val_samples", d.max_val_samples)
+    if d.val_prefill_batch_size is not None:
+        _positive("data.val_prefill_batch_size", d.val_prefill_batch_size)
     if not 0.0 < r.top_p <= 1.0:
         raise ConfigError(f"config key 'rollout.top_p' must be in (0, 1], got {r.top_p!r}.")
     if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:

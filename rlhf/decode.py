@@ -12,7 +12,10 @@ under the same noise (tests/test_decode.py); what differs is how a token's forwa
 - the prompts' forward pass is the model's own (so the first token is computed exactly as before); its keys and
   values are copied once into a static cache of (B, KV heads, prompt + max_new_tokens, head dim) per layer, in
   the dtypes the model's own cache gave them (under bf16 autocast, float32 keys: the rotary embedding's float32
-  cos/sin promote them; bf16 values on transformers 5.25, float32 on 5.17);
+  cos/sin promote them; bf16 values on transformers 5.25, float32 on 5.17). With `prefill_batch_size` it runs
+  on that many prompts at a time, each sub-batch's keys and values copied in before the next starts: the pass
+  then holds the static cache and one sub-batch's activations, not the whole batch's (the evaluation's
+  data.val_prefill_batch_size); the rows keep the batch's width, so their positions and masks are unchanged;
 - each later token runs the decoder layers' own modules (norms, projections, MLP, the rotary embedding) in the
   order transformers' forward runs them, without its per-token set-up (the 4D mask, the cache object, the output
   record): the new key and value are written into the cache in place, and attention reads the cache as it is,
@@ -127,21 +130,39 @@ def prompt_pass(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, posi
     return out, cache
 
 
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor, length: int,
+            prefill_batch_size: int | None = None) -> tuple[torch.Tensor, StaticCache]:
+    """The prompts' forward pass into a StaticCache of `length` slots: ((B, V) last-position logits, the cache),
+    run on `prefill_batch_size` prompts at a time (None: all at once), each sub-batch's cache copied in and freed
+    before the next sub-batch runs."""
+    batch_size = len(prompt_ids)
+    step = prefill_batch_size or batch_size
+    cache, logits = None, []
+    for start in range(0, batch_size, step):
+        rows = slice(start, start + step)
+        out, prompt_cache = prompt_pass(model, prompt_ids[rows], prompt_mask[rows], position_ids[rows])
+        if cache is None:
+            cache = StaticCache(prompt_cache, length, batch_size)
+        cache.fill(rows, prompt_cache)
+        logits.append(out.logits[:, -1])
+        del out, prompt_cache
+    return logits[0] if len(logits) == 1 else torch.cat(logits), cache
+
+
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick, temperature: float,
            stop_ids: tuple[int, ...] | None, pad_token_id: int, generator: torch.Generator | None = None,
-           keep_logprobs: bool = False, step_type: type[Step] | None = None):
+           keep_logprobs: bool = False, step_type: type[Step] | None = None, prefill_batch_size: int | None = None):
     """(B, max_new_tokens) tokens, pad after a sequence's stop token and for every sequence once all have
     stopped; with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at `temperature` (0 after the stop
     of all), else None. `pick((B, V) logits) -> (B,) tokens` draws a token (rlhf.rollout.next_token), its noise
     from `generator` or the global random state of the logits' device; `stop_ids` None samples every token.
-    `step_type` runs each later token: Step (None), or CompiledStep (the benchmarks')."""
+    `step_type` runs each later token: Step (None), or CompiledStep (the benchmarks'). `prefill_batch_size`:
+    prompts per forward of the prompt pass (`prefill`; None: all at once)."""
     batch_size, prompt_width = prompt_ids.shape
     device = prompt_ids.device
     position_ids = position_ids_from_mask(prompt_mask)
-    out, prompt_cache = prompt_pass(model, prompt_ids, prompt_mask, position_ids)
-    cache = StaticCache(prompt_cache, prompt_width + max_new_tokens)
-    logits = out.logits[:, -1]
-    del out, prompt_cache
+    logits, cache = prefill(model, prompt_ids, prompt_mask, position_ids, prompt_width + max_new_tokens,
+                            prefill_batch_size)
     # Row i attends to its real prompt tokens and everything sampled.
     attend = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch_size, max_new_tokens, dtype=torch.bool)], dim=1)
     step = (step_type or Step)(model, cache, attend[:, None, None, :])  # (B, 1, 1, P + R)
@@ -185,17 +206,23 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_t
 
 
 class StaticCache:
-    """Each layer's keys and values, (B, KV heads, length, head dim), filled with the prompts' at the start."""
+    """Each layer's keys and values, (B, KV heads, length, head dim), in the dtypes of `prompt_cache` (the model's
+    own cache of the prompts, or of their first sub-batch), zero until `fill` copies the prompts' in."""
 
-    def __init__(self, prompt_cache, length: int):
+    def __init__(self, prompt_cache, length: int, batch_size: int):
         self.keys, self.values = [], []
         for keys, values in ((layer.keys, layer.values) for layer in prompt_cache.layers):
-            batch_size, num_kv_heads, prompt_width, head_dim = keys.shape
+            _, num_kv_heads, _, head_dim = keys.shape
             self.keys.append(keys.new_zeros(batch_size, num_kv_heads, length, head_dim))
             self.values.append(values.new_zeros(batch_size, num_kv_heads, length, head_dim))
-            self.keys[-1][:, :, :prompt_width] = keys
-            self.values[-1][:, :, :prompt_width] = values
         self.length = length
+
+    def fill(self, rows: slice, prompt_cache) -> None:
+        """The prompts' keys and values of `rows` (the model's cache of those rows) into their first slots."""
+        for layer, keys, values in zip(prompt_cache.layers, self.keys, self.values):
+            prompt_width = layer.keys.shape[2]
+            keys[rows, :, :prompt_width] = layer.keys
+            values[rows, :, :prompt_width] = layer.values
 
 
 class Step:

@@ -125,7 +125,8 @@ def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool, num_samples
         prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
         with accelerator.autocast():
             return generate(model, tokenizer, prompt_ids.to(accelerator.device), prompt_mask.to(accelerator.device),
-                            params, all_finished=stop_rule(accelerator), generator=generator)
+                            params, all_finished=stop_rule(accelerator), generator=generator,
+                            prefill_batch_size=cfg.data.val_prefill_batch_size)
 
     def task_values(seq, indices):
         """Each task metric's value of every response to this process's problems (a stand-in row has none)."""

@@ -129,11 +129,13 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | tupl
 
 def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
              params: SamplingParams, all_finished=None, generator: torch.Generator | None = None,
-             return_logprobs: bool = False) -> Sequences:
+             return_logprobs: bool = False, prefill_batch_size: int | None = None) -> Sequences:
     """Sample (or greedily decode) one response per left-padded prompt with rlhf.decode's loops (greedy: the tokens
     of `model.generate`, tests/test_rollout.py). A sequence ends at its first stop token (stop_token_ids); decoding
     stops when all have, or after max_new_tokens; `all_finished((B,) bool finished) -> bool` may widen "all" to
-    other processes' sequences. `return_logprobs` keeps Sequences.logprobs, before any top-k/top-p filter."""
+    other processes' sequences. `return_logprobs` keeps Sequences.logprobs, before any top-k/top-p filter.
+    `prefill_batch_size`: prompts per forward of the static-cache loop's prompt pass (rlhf.decode.prefill; None:
+    all at once; the reference loop runs them all at once)."""
     model = plain_model(model)  # a LoRA policy samples through its transformers model, adapters in place
     eos = None if params.ignore_eos else stop_token_ids(model, tokenizer)
     # inference_mode saves 4-9% of sampling time over no_grad (the tokens are cloned out of it below); not under
@@ -145,7 +147,7 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
         if all_finished is torch.all and decode.supports(model):
             response_ids, logprobs = decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick,
                                                    params.temperature, eos, tokenizer.pad_token_id, generator,
-                                                   return_logprobs)
+                                                   return_logprobs, prefill_batch_size=prefill_batch_size)
         else:  # a stop rule of several processes (FSDP2), another architecture: a forward of the model per token
             response_ids, logprobs = decode.reference_decode(model, prompt_ids, prompt_mask, params.max_new_tokens,
                                                              pick, params.temperature, eos, tokenizer.pad_token_id,

@@ -46,6 +46,7 @@ TABLE = [
     ("full+ in loss", ["actor.kl_loss_type=full+"], ["'actor.kl_loss_type'", "'full+'", "use 'full'"]),
     ("negative KL loss coef", ["actor.kl_loss_coef=-0.1"], ["'actor.kl_loss_coef'", "-0.1", ">= 0"]),
     ("negative KL reward coef", ["algorithm.kl_ctrl.kl_coef=-1"], ["'algorithm.kl_ctrl.kl_coef'", "-1", ">= 0"]),
+    ("prefill sub-batch 0", ["data.val_prefill_batch_size=0"], ["'data.val_prefill_batch_size'", "> 0", "got 0"]),
     ("adaptive target 0", ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"],
      ["'algorithm.kl_ctrl'", "target_kl", "got 0", "> 0"]),
     ("adaptive horizon < 0", ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=-5"],

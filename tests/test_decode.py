@@ -9,7 +9,7 @@ from helpers import sample, tiny_qwen2
 from transformers import DynamicCache
 
 from rlhf import decode
-from rlhf.rollout import SamplingParams, generate, left_pad, paired_noise_generator
+from rlhf.rollout import SamplingParams, generate, left_pad, next_token, paired_noise_generator
 
 EOS, PAD = 1, 0
 
@@ -190,8 +190,8 @@ def test_compiled_step_under_autocast_takes_either_cache_dtype(values, monkeypat
     if values == "float32":
         build = decode.StaticCache.__init__
 
-        def float32_values(self, prompt_cache, length):
-            build(self, prompt_cache, length)
+        def float32_values(self, prompt_cache, length, batch_size):
+            build(self, prompt_cache, length, batch_size)
             self.values = [v.float() for v in self.values]
 
         monkeypatch.setattr(decode.StaticCache, "__init__", float32_values)
@@ -276,3 +276,64 @@ def test_both_loops_refuse_a_prompt_pass_that_keeps_no_kv_cache(loop, kept, monk
         monkeypatch.setattr(model, "forward", dropping)
         with pytest.raises(RuntimeError, match="returned no KV cache; generation needs use_cache=True"):
             sample(model, prompt_ids, prompt_mask, params, (EOS,), PAD, reference=loop == "reference")
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_prompt_pass_in_sub_batches_decodes_the_same(autocast):
+    """The prompts' forward in sub-batches of 1, 2, 5 (not dividing the 12 prompts: a short last one) and 12: the
+    same tokens and log-probs as the whole batch at once, with the global random state left where it leaves it;
+    the sub-batches of 5 include one without padding (transformers then passes SDPA no mask). The default is the
+    whole batch in one forward."""
+    model = tiny_qwen2(64, seed=2, pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=False,
+                       initializer_range=0.5)  # tokens that depend on their context
+    prompts = [[5, 6, 7, 8, 9, 10], [3, 4], [11, 12, 13], [2, 3, 4, 5]] * 2 + [[7, 8, 9, 10, 11, 12]] * 4
+    prompt_ids, prompt_mask = left_pad(prompts, PAD)
+    params = SamplingParams(max_new_tokens=16, temperature=0.9)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda _, args, kwargs: calls.append(len(kwargs["input_ids"])),
+                                             with_kwargs=True)
+    runs = {}
+    for size in (None, 1, 2, 5, 12):
+        torch.manual_seed(11)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            runs[size] = (*decode.decode(model, prompt_ids, prompt_mask, 16, functools.partial(next_token, params=params),
+                                         params.temperature, (EOS,), PAD, keep_logprobs=True,
+                                         prefill_batch_size=size), torch.rand(3))
+        assert calls == ([12] if size is None else [min(size, 12 - i) for i in range(0, 12, size)]), size
+        calls.clear()
+    handle.remove()
+    for size, (tokens, logprobs, after) in runs.items():
+        assert torch.equal(tokens, runs[None][0]), size
+        assert torch.allclose(logprobs, runs[None][1], rtol=0, atol=1e-5), size
+        assert torch.equal(after, runs[None][2])
+    assert len({tuple(t.tolist()) for t in runs[None][0]}) > 4  # the rows' tokens differ: a row mixed up would show
+
+
+
+def test_the_evaluation_runs_its_prompt_pass_in_sub_batches_and_logs_the_same(artifacts, tmp_path, monkeypatch):
+    """data.val_prefill_batch_size reaches the prompt pass of the greedy evaluation (8 problems) and of the sampled
+    one (2 answers each: 16 prompts), not the rollout's; every logged number is what the whole batch gives."""
+    import os
+
+    import train
+    from helpers import assert_same_rows, tiny_overrides
+
+    from rlhf.config import load_config
+    from rlhf.tracking import read_metrics
+
+    seen, prefill = [], decode.prefill
+
+    def spy(model, prompt_ids, prompt_mask, position_ids, length, prefill_batch_size=None):
+        seen.append((len(prompt_ids), prefill_batch_size))
+        return prefill(model, prompt_ids, prompt_mask, position_ids, length, prefill_batch_size)
+
+    monkeypatch.setattr(decode, "prefill", spy)
+    runs = {}
+    for size in (None, 3):
+        out = str(tmp_path / str(size))
+        extra = [] if size is None else [f"data.val_prefill_batch_size={size}"]
+        train.main(load_config(None, tiny_overrides(artifacts, out, "trainer.val_samples=2", "trainer.logger=none",
+                                                    *extra)))
+        runs[size] = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert {(8, 3), (16, 3), (8, None)} == set(seen) - {(16, None)}  # evaluation: 3 at a time; the rollout: all
+    assert_same_rows(runs[3], runs[None])

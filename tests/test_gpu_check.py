@@ -17,11 +17,12 @@ _spec.loader.exec_module(gpu_check)
 
 def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
     """Every part runs (or says why it cannot: the CUDA tests, the compiled step at toy size), in the order of
-    docs/gpu.md, and prints one line with its numbers."""
+    docs/gpu.md, and prints one line with its estimate as it starts and one with its numbers as it ends; the
+    first line comes before anything else."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, SCRIPT, "--toy", "--device", "cpu", "--out", str(tmp_path),
-                           "--prepared", str(tmp_path / "nothing")], env=env, capture_output=True, text=True,
-                          timeout=600)
+                           "--prepared", str(tmp_path / "nothing"), "--budget", "3000"], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.log"]
     with open(tmp_path / "gpu_check.json") as f:
@@ -34,6 +35,10 @@ def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
     lines = [line for line in done.stdout.splitlines() if " in " in line and line.split("] ")[-1].split(":")[0] in parts]
     assert [line.split("] ")[1].split(":")[0] for line in lines] == list(gpu_check.PARTS)
     assert all(parts[name].get("summary", parts[name].get("note")) in line for name, line in zip(parts, lines))
+    assert done.stdout.splitlines()[0].endswith(f"writing {tmp_path / 'gpu_check.json'}")
+    starts = [line for line in done.stdout.splitlines() if ": start, estimated " in line]
+    assert [line.split("] ")[1].split(":")[0] for line in starts] == list(gpu_check.PARTS)
+    assert all(parts[name]["estimated_s"] == gpu_check.TOY_ESTIMATED_S[name] for name in parts)
     assert report["finished"] and report["prompts"]["rows"] > 1000
     assert set(parts["embedded_default"]["accuracy_by_step"]) == {"0", "2"}
     for name in ("recipes", "settings_80gb", "lora_recipes"):
@@ -47,6 +52,10 @@ def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
     assert not parts["settings_80gb"]["ppo"]["gradient_checkpointing"]  # the 80 GB column's setting
     assert parts["recipes"]["ppo"]["gradient_checkpointing"]
     assert all(parts["evaluation"][recipe]["response_tokens"] > 0 for recipe in ("ppo", "grpo"))
+    for recipe in ("ppo", "grpo"):  # the recipe's batch (toy: 4), a prefill sub-batch of 3, the longest test prompt
+        record = parts["lora_evaluation"][recipe]
+        assert (record["batch"], record["prefill_batch"]) == (4, 3) and record["seconds"] > 0
+        assert record["prompt_width"] == gpu_check.memory_model().GSM8K_TEST_PROMPT_TOKENS
     runs = parts["decoding"]["runs"]
     assert {(run["loop"], run["batch"]) for run in runs} == {("static", 1), ("static", 4), ("static", 16), ("reference", 4)}
     assert all(run["ms_per_token"] > 0 and run["prefill_s"] > 0 and run["times_floor"] > 0 for run in runs)
@@ -58,21 +67,78 @@ def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
     assert parts["checkpoint"]["gib"] > 0 and parts["checkpoint"]["seconds_to_write"] > 0
 
 
-def test_parts_past_the_budget_are_skipped_and_said_so(tmp_path):
-    done = subprocess.run([sys.executable, SCRIPT, "--toy", "--device", "cpu", "--out", str(tmp_path), "--budget", "0",
-                           "--parts", "cuda_tests", "checkpoint"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_a_part_whose_estimate_does_not_fit_the_budget_left_is_skipped_and_said_so(tmp_path, monkeypatch, capsys):
+    """A part starts where its estimate fits what is left of --budget, and is skipped, with its estimate and what
+    was left, where it does not; the default budget leaves 60 s or more under a 600 s call."""
+    assert 0 < gpu_check.DEFAULT_BUDGET_S <= 600 - 60
+    monkeypatch.setattr(gpu_check, "TOY_ESTIMATED_S", {**gpu_check.TOY_ESTIMATED_S, "embedded_default": 10**6})
+    code = gpu_check.main(["--toy", "--device", "cpu", "--out", str(tmp_path), "--budget", "600", "--parts",
+                           "cuda_tests", "embedded_default", "--prepared", str(tmp_path / "nothing")])
     with open(tmp_path / "gpu_check.json") as f:
         parts = json.load(f)["parts"]
-    assert {name: part["status"] for name, part in parts.items()} == {"checkpoint": "skipped", "cuda_tests": "skipped"}
-    assert ("skipped: checkpoint (over the --budget of 0 s), cuda_tests (over the --budget of 0 s)" in done.stdout)
+    assert code == 0 and parts["cuda_tests"]["status"] == "skipped"  # started: it needs a CUDA device
+    assert parts["embedded_default"]["status"] == "skipped"
+    note = parts["embedded_default"]["note"]
+    assert note.startswith("estimated 1000000 s, ") and note.endswith(" s of the --budget of 600 s left")
+    printed = capsys.readouterr().out
+    assert "cuda_tests: start, estimated 1 s" in printed and f"embedded_default: skipped | {note}" in printed
 
 
 def test_without_a_gpu_it_says_so_and_stops_at_once(tmp_path):
     done = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "no CUDA device" in done.stderr and "--toy --device cpu" in done.stderr
-    assert not os.listdir(tmp_path)  # nothing run, nothing written
+    with open(tmp_path / "gpu_check.json") as f:  # the JSON says it too, and that nothing ran
+        report = json.load(f)
+    assert "no CUDA device" in report["error"] and report["parts"] == {}
+    assert "gpu_check: budget " in done.stdout.splitlines()[0]
+
+
+def test_without_pip_the_install_fails_with_pip_s_message_and_the_check_goes_on(tmp_path, monkeypatch):
+    """A Python without pip (its message, as `python -m pip` prints it): the first line and the JSON come first,
+    the install is recorded as failed with pip's message, and the parts run."""
+    fake = tmp_path / "python-without-pip"
+    fake.write_text(f"#!/bin/sh\n[ \"$1\" = -m ] && [ \"$2\" = pip ] && {{ echo '{sys.executable}: No module named "
+                    f"pip' >&2; exit 1; }}\nexec {sys.executable} \"$@\"\n")
+    fake.chmod(0o755)
+    (tmp_path / "prepared" / "wheels").mkdir(parents=True)
+    (tmp_path / "prepared" / "wheels" / "no_such_package_here-1.0-py3-none-any.whl").write_bytes(b"")
+    monkeypatch.setattr(sys, "executable", str(fake))
+    code = gpu_check.main(["--toy", "--device", "cpu", "--out", str(tmp_path / "out"), "--parts", "cuda_tests",
+                           "--prepared", str(tmp_path / "prepared")])
+    with open(tmp_path / "out" / "gpu_check.json") as f:
+        report = json.load(f)
+    assert code == 0 and report["install"]["status"] == "failed"
+    assert report["install"]["error"].endswith("No module named pip")
+    assert report["parts"]["cuda_tests"]["status"] == "skipped"  # ran: it needs a CUDA device
+
+
+def test_a_part_short_of_its_package_fails_with_how_to_bring_it_and_the_next_runs(tmp_path, monkeypatch):
+    """pytest for the CUDA tests, datasets for the embedded default, peft for the LoRA parts: here a package that
+    does not exist stands for one the image lacks."""
+    monkeypatch.setitem(gpu_check.PART_NEEDS, "cuda_tests", ("no_such_package_here",))
+    monkeypatch.setitem(gpu_check.PART_NEEDS, "embedded_default", ())
+    code = gpu_check.main(["--toy", "--device", "cpu", "--out", str(tmp_path), "--parts", "cuda_tests",
+                           "embedded_default", "--prepared", str(tmp_path / "nothing")])
+    with open(tmp_path / "gpu_check.json") as f:
+        parts = json.load(f)["parts"]
+    assert code == 1 and parts["cuda_tests"]["status"] == "failed"
+    assert parts["cuda_tests"]["error"] == ("missing package(s) no_such_package_here: python bench/prepare_gpu_check.py "
+                                            "--packages no_such_package_here carries their wheels")
+    assert parts["embedded_default"]["status"] == "ok"  # the next part ran
+
+
+def test_the_compiled_step_without_a_c_compiler_fails_saying_so(monkeypatch):
+    import shutil
+
+    import pytest
+
+    class Args:
+        toy, device = False, "cpu"
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"no C compiler \(cc, gcc or clang\) on PATH"):
+        gpu_check.compiled_decoding({}, Args, "unused", None, None, None)
 
 
 def test_a_missing_package_is_named_with_how_to_bring_it(monkeypatch):

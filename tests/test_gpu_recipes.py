@@ -45,8 +45,8 @@ def test_the_recipes_differ_only_where_grpo_does():
     differing = {key for key in ppo if ppo[key] != grpo[key]}
     assert differing == {
         "algorithm.adv_estimator", "rollout.n", "data.train_batch_size", "actor.ppo_mini_batch_size",
-        "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size", "data.val_batch_size", "trainer.total_steps",
-        "trainer.output_dir", "trainer.experiment_name"}
+        "actor.ppo_micro_batch_size", "rollout.log_prob_micro_batch_size", "data.val_batch_size",
+        "data.val_prefill_batch_size", "trainer.total_steps", "trainer.output_dir", "trainer.experiment_name"}
 
 
 def test_the_grpo_recipe_samples_as_many_responses_as_the_ppo_recipe():
