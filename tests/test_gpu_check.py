@@ -15,10 +15,11 @@ gpu_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)
 
 
-def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path):
+def test_every_part_runs_at_toy_size_on_the_cpu(tmp_path, monkeypatch):
     """Every part runs (or says why it cannot: the CUDA tests, the compiled step at toy size), in the order of
     docs/gpu.md, and prints one line with its estimate as it starts and one with its numbers as it ends; the
     first line comes before anything else."""
+    monkeypatch.syspath_prepend(os.path.dirname(SCRIPT))  # gpu_check.memory_model() imports recipe_memory from there
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, SCRIPT, "--toy", "--device", "cpu", "--out", str(tmp_path),
                            "--prepared", str(tmp_path / "nothing"), "--budget", "3000"], env=env, capture_output=True,
