@@ -89,11 +89,13 @@ def run(model, prompt_ids, prompt_mask, params, autocast: bool, reference: bool,
             torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
         pick = lambda logits: next_token(logits, params, generator)  # noqa: E731
         if reference:
-            tokens, _ = decode.reference_decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick,
-                                                params.temperature, stop_ids, 0)
+            tokens, _ = decode.reference_decode(model, prompt_ids, prompt_mask,
+                                                decode.Decoding(params.max_new_tokens, pick, params.temperature,
+                                                                stop_ids, 0))
         else:
-            tokens, _ = decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick, params.temperature,
-                                      None if compiled else stop_ids, 0, generator,
+            how = decode.Decoding(params.max_new_tokens, pick, params.temperature, None if compiled else stop_ids, 0,
+                                  generator)
+            tokens, _ = decode.decode(model, prompt_ids, prompt_mask, how,
                                       step_type=decode.CompiledStep if compiled else decode.Step)
     if device == "cuda":
         torch.cuda.synchronize()

@@ -726,8 +726,8 @@ def decoding(result, args, model_dir: str, tokenizer, rows: Rows, report: Report
         start = time.perf_counter()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             run = decode.reference_decode if loop == "reference" else decode.decode
-            run(model, ids, mask, new_tokens, lambda logits: next_token(logits, sampling, generator), 1.0, None,
-                tokenizer.pad_token_id)
+            run(model, ids, mask, decode.Decoding(new_tokens, lambda logits: next_token(logits, sampling, generator),
+                                                  1.0, None, tokenizer.pad_token_id))
         sync(device)
         return time.perf_counter() - start
 
@@ -776,9 +776,9 @@ def compiled_decoding(result, args, model_dir: str, tokenizer, rows: Rows, repor
         sync(device)
         start = time.perf_counter()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-            out = decode.decode(model, ids, mask, new_tokens, lambda logits: next_token(logits, params), 1.0, None,
-                                tokenizer.pad_token_id,
-                                step_type=decode.CompiledStep if compiled else decode.Step)[0]
+            how = decode.Decoding(new_tokens, lambda logits: next_token(logits, params), 1.0, None,
+                                  tokenizer.pad_token_id)
+            out = decode.decode(model, ids, mask, how, step_type=decode.CompiledStep if compiled else decode.Step)[0]
         sync(device)
         return out, time.perf_counter() - start
 

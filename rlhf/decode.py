@@ -1,8 +1,8 @@
 """The sampler's decoding loops: over a static KV cache, without a host synchronisation per token (`decode`), and
 the reference loop, a forward pass of the model per token (`reference_decode`).
 
-    tokens, logprobs = decode(model, prompt_ids, prompt_mask, max_new_tokens, pick, temperature, stop_ids,
-                              pad_token_id, generator, keep_logprobs)
+    tokens, logprobs = decode(model, prompt_ids, prompt_mask, Decoding(max_new_tokens, pick, temperature, stop_ids,
+                                                                       pad_token_id, generator, keep_logprobs))
 
 `rlhf.rollout.generate` runs `decode` for the models `supports` accepts (Qwen2 and Llama causal LMs, the embedded
 default's and the recipes' kind, unsharded, with transformers' SDPA attention), and `reference_decode` for
@@ -41,6 +41,8 @@ import contextlib
 import inspect
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -149,45 +151,57 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, position
     return logits[0] if len(logits) == 1 else torch.cat(logits), cache
 
 
-def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick, temperature: float,
-           stop_ids: tuple[int, ...] | None, pad_token_id: int, generator: torch.Generator | None = None,
-           keep_logprobs: bool = False, step_type: type[Step] | None = None, prefill_batch_size: int | None = None):
-    """(B, max_new_tokens) tokens, pad after a sequence's stop token and for every sequence once all have
-    stopped; with `keep_logprobs` their (B, max_new_tokens) float32 log-probs at `temperature` (0 after the stop
-    of all), else None. `pick((B, V) logits) -> (B,) tokens` draws a token (rlhf.rollout.next_token), its noise
-    from `generator` or the global random state of the logits' device; `stop_ids` None samples every token.
-    `step_type` runs each later token: Step (None), or CompiledStep (the benchmarks'). `prefill_batch_size`:
-    prompts per forward of the prompt pass (`prefill`; None: all at once)."""
+@dataclass(frozen=True)
+class Decoding:
+    """How either loop decodes (rlhf.rollout.generate builds it from its SamplingParams)."""
+
+    max_new_tokens: int
+    pick: Callable[[torch.Tensor], torch.Tensor]  # (B, V) logits -> (B,) tokens (rlhf.rollout.next_token)
+    temperature: float  # of the kept log-probs, softmax(logits / temperature)
+    stop_ids: tuple[int, ...] | None  # a sequence ends at its first; None: every token sampled
+    pad_token_id: int
+    generator: torch.Generator | None = None  # where `pick` draws its noise (None: the device's global state)
+    keep_logprobs: bool = False  # return the sampled tokens' log-probs
+    prefill_batch_size: int | None = None  # prompts per forward of the prompt pass (`prefill`; None: all at once)
+
+
+def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, how: Decoding,
+           step_type: type[Step] | None = None):
+    """(B, how.max_new_tokens) tokens, pad after a sequence's stop token and for every sequence once all have
+    stopped; with `how.keep_logprobs` their float32 log-probs (0 after the stop of all), else None. `step_type`
+    runs each later token: Step (None), or CompiledStep (the benchmarks')."""
     batch_size, prompt_width = prompt_ids.shape
     device = prompt_ids.device
     position_ids = position_ids_from_mask(prompt_mask)
-    logits, cache = prefill(model, prompt_ids, prompt_mask, position_ids, prompt_width + max_new_tokens,
-                            prefill_batch_size)
+    logits, cache = prefill(model, prompt_ids, prompt_mask, position_ids, prompt_width + how.max_new_tokens,
+                            how.prefill_batch_size)
     # Row i attends to its real prompt tokens and everything sampled.
-    attend = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch_size, max_new_tokens, dtype=torch.bool)], dim=1)
+    attend = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch_size, how.max_new_tokens, dtype=torch.bool)],
+                       dim=1)
     step = (step_type or Step)(model, cache, attend[:, None, None, :])  # (B, 1, 1, P + R)
     last_position = position_ids[:, -1]
 
-    tokens = torch.full((batch_size, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(batch_size, max_new_tokens, device=device) if keep_logprobs else None
+    tokens = torch.full((batch_size, how.max_new_tokens), how.pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(batch_size, how.max_new_tokens, device=device) if how.keep_logprobs else None
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
-    stop = None if stop_ids is None else torch.tensor(stop_ids, dtype=torch.long, device=device)
+    stop = None if how.stop_ids is None else torch.tensor(how.stop_ids, dtype=torch.long, device=device)
     all_stopped_at = torch.full((), -1, dtype=torch.long, device=device)  # the first t after which all had stopped
-    if generator is None:  # the global random state `pick` draws from
+    generator = how.generator
+    if generator is None:  # the global random state `how.pick` draws from
         generator = (torch.default_generator if device.type == "cpu"
                      else torch.cuda.default_generators[device.index if device.index is not None
                                                         else torch.cuda.current_device()])
     window_start, saved = 0, generator.get_state()
-    for t in range(max_new_tokens):
-        token = pick(logits)
-        if keep_logprobs:  # of the unfiltered softmax(logits / T): what the trainer's forward pass computes
-            logprobs[:, t] = logprobs_from_logits(logits[:, None], token[:, None], temperature)[:, 0]
+    for t in range(how.max_new_tokens):
+        token = how.pick(logits)
+        if how.keep_logprobs:  # of the unfiltered softmax(logits / T): what the trainer's forward pass computes
+            logprobs[:, t] = logprobs_from_logits(logits[:, None], token[:, None], how.temperature)[:, 0]
         if stop is not None:
-            token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's stop token
+            token = token.masked_fill(finished, how.pad_token_id)  # nothing after a sequence's stop token
             finished |= torch.isin(token, stop)
             all_stopped_at = torch.where((all_stopped_at < 0) & finished.all(), t, all_stopped_at)
         tokens[:, t] = token
-        last = t + 1 == max_new_tokens
+        last = t + 1 == how.max_new_tokens
         if stop is not None and (last or (t + 1) % STOP_CHECK_EVERY == 0):
             stopped_at = int(all_stopped_at)  # the host read: every STOP_CHECK_EVERY tokens, and after the last
             if stopped_at >= 0:
@@ -195,8 +209,8 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_t
                 # draw again (on logits of the same shape) only what it drew up to the stop.
                 generator.set_state(saved)
                 for _ in range(stopped_at - window_start + 1):
-                    pick(torch.zeros_like(logits))
-                if keep_logprobs:
+                    how.pick(torch.zeros_like(logits))
+                if how.keep_logprobs:
                     logprobs[:, stopped_at + 1:] = 0
                 break
             window_start, saved = t + 1, generator.get_state()
@@ -302,35 +316,36 @@ class CompiledStep(Step):
         cache.index_copy_(2, slot, new.to(cache.dtype))
 
 
-def reference_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pick,
-                     temperature: float, stop_ids: tuple[int, ...] | None, pad_token_id: int,
-                     keep_logprobs: bool = False, all_finished=torch.all):
+def reference_decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, how: Decoding,
+                     all_finished=torch.all):
     """`decode`'s tokens and log-probs by a forward pass of the model per token over its own KV cache, the stop
     read after every token: what rlhf.rollout.generate runs for the models `supports` refuses, and the
     reference tests/test_decode.py holds `decode` to. `all_finished((B,) bool finished) -> bool` may widen
-    "every sequence has stopped" to other processes' too (rlhf.processes.stop_rule)."""
+    "every sequence has stopped" to other processes' too (rlhf.processes.stop_rule). The prompt pass is whole
+    (`how.prefill_batch_size` is not read) and `pick` draws from `how.generator` itself."""
     batch_size, prompt_width = prompt_ids.shape
     # Room for every response token up front; row i attends to its real prompt tokens and everything sampled.
-    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, max_new_tokens)], dim=1)
+    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch_size, how.max_new_tokens)], dim=1)
     position_ids = position_ids_from_mask(prompt_mask)
     cache_name = kv_cache_name(model)
     out, _ = prompt_pass(model, prompt_ids, prompt_mask, position_ids)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
-    stop = None if stop_ids is None else torch.tensor(stop_ids, dtype=torch.long, device=prompt_ids.device)
+    stop = None if how.stop_ids is None else torch.tensor(how.stop_ids, dtype=torch.long, device=prompt_ids.device)
     tokens, logprobs = [], []
-    for t in range(max_new_tokens):
-        token = pick(out.logits[:, -1])
-        if keep_logprobs:  # of the unfiltered softmax(logits / T): what the trainer's forward pass computes
-            logprobs.append(logprobs_from_logits(out.logits[:, -1:], token[:, None], temperature)[:, 0])
+    for t in range(how.max_new_tokens):
+        token = how.pick(out.logits[:, -1])
+        if how.keep_logprobs:  # of the unfiltered softmax(logits / T): what the trainer's forward pass computes
+            logprobs.append(logprobs_from_logits(out.logits[:, -1:], token[:, None], how.temperature)[:, 0])
         if stop is not None:
-            token = token.masked_fill(finished, pad_token_id)  # nothing after a sequence's stop token
+            token = token.masked_fill(finished, how.pad_token_id)  # nothing after a sequence's stop token
             finished |= torch.isin(token, stop)
         tokens.append(token)
-        if t + 1 == max_new_tokens or (stop is not None and all_finished(finished)):
+        if t + 1 == how.max_new_tokens or (stop is not None and all_finished(finished)):
             break
         out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :prompt_width + t + 1],
                     position_ids=position_ids[:, -1:] + t + 1, use_cache=True,
                     **{cache_name: getattr(out, cache_name)})
-    width = max_new_tokens - len(tokens)
-    response_ids = torch.nn.functional.pad(torch.stack(tokens, dim=1), (0, width), value=pad_token_id)
-    return response_ids, torch.nn.functional.pad(torch.stack(logprobs, dim=1), (0, width)) if keep_logprobs else None
+    width = how.max_new_tokens - len(tokens)
+    response_ids = torch.nn.functional.pad(torch.stack(tokens, dim=1), (0, width), value=how.pad_token_id)
+    kept = torch.nn.functional.pad(torch.stack(logprobs, dim=1), (0, width)) if how.keep_logprobs else None
+    return response_ids, kept

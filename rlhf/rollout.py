@@ -144,14 +144,12 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     pick, all_finished = functools.partial(next_token, params=params, generator=generator), all_finished or torch.all
     with torch.inference_mode() if lighter else torch.no_grad(), decode.cache_kept(model), \
             decode.few_threads(model, len(prompt_ids)):
+        how = decode.Decoding(params.max_new_tokens, pick, params.temperature, eos, tokenizer.pad_token_id,
+                              generator, return_logprobs, prefill_batch_size)
         if all_finished is torch.all and decode.supports(model):
-            response_ids, logprobs = decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick,
-                                                   params.temperature, eos, tokenizer.pad_token_id, generator,
-                                                   return_logprobs, prefill_batch_size=prefill_batch_size)
+            response_ids, logprobs = decode.decode(model, prompt_ids, prompt_mask, how)
         else:  # a stop rule of several processes (FSDP2), another architecture: a forward of the model per token
-            response_ids, logprobs = decode.reference_decode(model, prompt_ids, prompt_mask, params.max_new_tokens,
-                                                             pick, params.temperature, eos, tokenizer.pad_token_id,
-                                                             return_logprobs, all_finished)
+            response_ids, logprobs = decode.reference_decode(model, prompt_ids, prompt_mask, how, all_finished)
     response_ids = response_ids.clone()
     response_mask = torch.ones_like(response_ids) if eos is None else response_mask_from_ids(response_ids, eos)
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)

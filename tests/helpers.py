@@ -68,11 +68,10 @@ def sample(model, prompt_ids, prompt_mask, params, stop_ids, pad_token_id, gener
     def pick(logits):
         return next_token(logits, params, generator)
 
-    if reference:
-        return decode.reference_decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick, params.temperature,
-                                       stop_ids, pad_token_id, keep_logprobs)
-    return decode.decode(model, prompt_ids, prompt_mask, params.max_new_tokens, pick, params.temperature, stop_ids,
-                         pad_token_id, generator, keep_logprobs)
+    how = decode.Decoding(params.max_new_tokens, pick, params.temperature, stop_ids, pad_token_id, generator,
+                          keep_logprobs)
+    loop = decode.reference_decode if reference else decode.decode
+    return loop(model, prompt_ids, prompt_mask, how)
 
 
 def in_processes(fn, shards):

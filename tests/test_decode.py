@@ -147,9 +147,8 @@ def test_compiled_step_agrees_with_the_reference_loop():
     with torch.inference_mode():
         tokens, logprobs = sample(model, prompt_ids, prompt_mask, params, (EOS,), PAD, keep_logprobs=True,
                                   reference=True)
-        compiled, compiled_logprobs = decode.decode(model, prompt_ids, prompt_mask, 20, lambda l: next_token(l, params),
-                                                    1.0, (EOS,), PAD, keep_logprobs=True,
-                                                    step_type=decode.CompiledStep)
+        how = decode.Decoding(20, lambda l: next_token(l, params), 1.0, (EOS,), PAD, keep_logprobs=True)
+        compiled, compiled_logprobs = decode.decode(model, prompt_ids, prompt_mask, how, step_type=decode.CompiledStep)
     assert torch.equal(tokens, compiled)
     assert torch.allclose(logprobs, compiled_logprobs, atol=1e-5)
 
@@ -202,8 +201,8 @@ def test_compiled_step_under_autocast_takes_either_cache_dtype(values, monkeypat
     runs = {}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for compiled in (False, True):
-            runs[compiled] = decode.decode(model, prompt_ids, prompt_mask, 12, lambda l: next_token(l, params), 1.0,
-                                           (EOS,), PAD, keep_logprobs=True,
+            how = decode.Decoding(12, lambda l: next_token(l, params), 1.0, (EOS,), PAD, keep_logprobs=True)
+            runs[compiled] = decode.decode(model, prompt_ids, prompt_mask, how,
                                            step_type=decode.CompiledStep if compiled else decode.Step)
     assert torch.equal(runs[False][0], runs[True][0])
     assert torch.allclose(runs[False][1], runs[True][1], atol=0.05)  # bf16 matmuls over the masked, longer cache
@@ -296,9 +295,9 @@ def test_a_prompt_pass_in_sub_batches_decodes_the_same(autocast):
     for size in (None, 1, 2, 5, 12):
         torch.manual_seed(11)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            runs[size] = (*decode.decode(model, prompt_ids, prompt_mask, 16, functools.partial(next_token, params=params),
-                                         params.temperature, (EOS,), PAD, keep_logprobs=True,
-                                         prefill_batch_size=size), torch.rand(3))
+            how = decode.Decoding(16, functools.partial(next_token, params=params), params.temperature, (EOS,), PAD,
+                                  keep_logprobs=True, prefill_batch_size=size)
+            runs[size] = (*decode.decode(model, prompt_ids, prompt_mask, how), torch.rand(3))
         assert calls == ([12] if size is None else [min(size, 12 - i) for i in range(0, 12, size)]), size
         calls.clear()
     handle.remove()
