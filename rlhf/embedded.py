@@ -58,11 +58,11 @@ import torch.nn.functional as F
 _CACHE_VERSION = 4
 
 # The environment the build runs in. Which kernels a float sum takes changes its last bits, and 400 warm-start
-# steps carry them into another model (docs/results.md: another test bed, held-out accuracy 0.75 against
-# 0.56): ATen's SIMD kernels are picked by the CPU (its baseline ones run alike on any x86-64), MKL's matrix
-# products too (its reproducibility mode COMPATIBLE takes one code path everywhere), and the thread count
-# splits sums. oneDNN left no trace in the weights when measured, and is capped anyway. All are read when
-# torch loads, so they hold only in a fresh process.
+# steps carry them into another model (docs/results.md, "One test bed on every machine"). ATen picks its SIMD
+# kernels by the CPU (the baseline ones run alike on any x86-64), MKL picks its matrix-product path by the CPU
+# (its reproducibility mode COMPATIBLE takes one path everywhere), and the thread count splits sums; oneDNN's
+# ISA left the weights unchanged when measured and is capped anyway. torch reads them all when it loads, so
+# they hold only in a fresh process.
 BUILD_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
              "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
