@@ -22,8 +22,8 @@ GSM8K error). The data files and the reward are unaffected. Why: with clean demo
 CPU-seconds of PPO on this model barely move greedy accuracy (it has to learn more arithmetic, which
 is slow); a habit the reward contradicts is what RL removes quickly, so the RL loop shows its effect
 within minutes (held-out greedy accuracy 0.39 -> 0.54-0.63 in 40 steps of `configs/tiny.yaml` over four
-seeds on one machine; docs/results.md has the breakdown), much like RL fine-tuning mostly reshapes which of its known behaviours a pretrained
-model uses. `sft_early_answer_frac=0` gives clean demos.
+seeds on one machine; docs/results.md has the breakdown), much like RL fine-tuning mostly reshapes which of
+its known behaviours a pretrained model uses. `sft_early_answer_frac=0` gives clean demos.
 
 Everything is cached under `cache_dir/embedded-<hash of the config>`; a second call is near-instant. The build
 runs in a child process pinned to kernels every x86-64 CPU runs alike (`BUILD_ENV`), so the test bed is the
