@@ -21,11 +21,13 @@ final line reports the *first* step's result instead of the last (answering a su
 GSM8K error). The data files and the reward are unaffected. Why: with clean demos, a few hundred
 CPU-seconds of PPO on this model barely move greedy accuracy (it has to learn more arithmetic, which
 is slow); a habit the reward contradicts is what RL removes quickly, so the RL loop shows its effect
-within minutes (held-out greedy accuracy 0.38 -> 0.69 in 40 steps of `configs/tiny.yaml`; docs/results.md
-has the breakdown), much like RL fine-tuning mostly reshapes which of its known behaviours a pretrained
-model uses. `sft_early_answer_frac=0` gives clean demos.
+within minutes (held-out greedy accuracy 0.39 -> 0.54-0.63 in 40 steps of `configs/tiny.yaml` over four
+seeds on one machine; docs/results.md has the breakdown), much like RL fine-tuning mostly reshapes which of
+its known behaviours a pretrained model uses. `sft_early_answer_frac=0` gives clean demos.
 
-Everything is cached under `cache_dir/embedded-<hash of the config>`; a second call is near-instant.
+Everything is cached under `cache_dir/embedded-<hash of the config>`; a second call is near-instant. The build
+runs in a child process pinned to kernels every x86-64 CPU runs alike (`BUILD_ENV`), so the test bed is the
+same bytes on every machine; `sha256_of_entry` names it.
 
 Simplifications: the problems are far easier than GSM8K (one quantity, at most three operations, numbers
 up to `max_value`), and the model is ~1M parameters; this is a test bed for the RL loop, not a benchmark.
@@ -33,7 +35,6 @@ up to `max_value`), and the model is ~1M parameters; this is a test bed for the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -41,6 +42,8 @@ import math
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -52,7 +55,16 @@ import torch.nn.functional as F
 # that need them, so that importing this module stays fast.
 
 # Bump when the generated data, tokenizer or warm start change, so stale caches are not reused.
-_CACHE_VERSION = 3
+_CACHE_VERSION = 4
+
+# The environment the build runs in. Which kernels a float sum takes changes its last bits, and 400 warm-start
+# steps carry them into another model (docs/results.md, "One test bed on every machine"). ATen picks its SIMD
+# kernels by the CPU (the baseline ones run alike on any x86-64), MKL picks its matrix-product path by the CPU
+# (its reproducibility mode COMPATIBLE takes one path everywhere), and the thread count splits sums; oneDNN's
+# ISA left the weights unchanged when measured and is capped anyway. torch reads them all when it loads, so
+# they hold only in a fresh process.
+BUILD_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
+             "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @dataclass
@@ -350,17 +362,6 @@ def _artifacts(root: str) -> EmbeddedArtifacts:
                              val_file=os.path.join(root, "val.jsonl"), **metrics)
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """torch on one CPU thread inside the block, the caller's thread count after it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _build(tmp: str, cfg: EmbeddedConfig, log) -> dict[str, float]:
     """Write the problems, the tokenizer and the warm-started model into `tmp`; return meta.json's metrics."""
     from rlhf.data import INSTRUCTION, write_jsonl
@@ -392,15 +393,56 @@ def _build(tmp: str, cfg: EmbeddedConfig, log) -> dict[str, float]:
             "sft_time_s": time.perf_counter() - sft_start}
 
 
+def _build_in_child(tmp: str, cfg: EmbeddedConfig, log) -> None:
+    """Run `_build` into `tmp` in a fresh Python under `BUILD_ENV`, passing its output lines to `log`; it writes
+    meta.json last."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, **BUILD_ENV,
+           "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    code = "import sys; from rlhf.embedded import _build_main; _build_main(sys.argv[1], sys.argv[2])"
+    args = [sys.executable, "-c", code, tmp, json.dumps(dataclasses.asdict(cfg))]
+    with subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True) as child:
+        for line in child.stdout:
+            log(line.rstrip("\n"))
+    if child.returncode != 0:
+        raise RuntimeError(f"building the embedded default failed (exit code {child.returncode}); its error is above.")
+
+
+def _build_main(tmp: str, cfg_json: str) -> None:
+    """The child's side of `_build_in_child`: build into `tmp`, then write meta.json."""
+    cfg = EmbeddedConfig(**json.loads(cfg_json))
+    metrics = _build(tmp, cfg, log=lambda line: print(line, flush=True))
+    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump({"config": dataclasses.asdict(cfg), "metrics": metrics}, f, indent=2)
+
+
+def sha256_of_entry(root: str) -> str:
+    """sha256 of a cache entry's test bed: the problem files' bytes, the tokenizer's vocabulary and merges, and
+    the weights (each tensor's name, shape and float32 bytes), so file formats and library versions that save
+    the same content the same way do not change it."""
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for name in ("train.jsonl", "val.jsonl"):
+        with open(os.path.join(root, name), "rb") as f:
+            digest.update(f.read())
+    with open(os.path.join(root, "model", "tokenizer.json"), encoding="utf-8") as f:
+        model = json.load(f)["model"]
+    digest.update(json.dumps([model["vocab"], model["merges"]], sort_keys=True).encode())
+    weights = load_file(os.path.join(root, "model", "model.safetensors"))
+    for name in sorted(weights):
+        digest.update(f"{name}{tuple(weights[name].shape)}".encode())
+        digest.update(weights[name].float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def prepare_embedded_default(cache_dir: str, cfg: EmbeddedConfig, log=print) -> EmbeddedArtifacts:
     """Build (or reuse from `cache_dir`) the embedded task: train/val JSON lines and a warm-started tiny
     model with its tokenizer. Deterministic by `cfg.seed`; the cache is keyed on a hash of `cfg`.
 
-    Written atomically (a temporary directory renamed into place), so an interrupted run or a second
-    process writing the same entry never leaves a half-written cache behind. Built on one CPU thread: on
-    some machines how many threads a float sum is split over changes its last bits, and 400 warm-start steps
-    carry those into the weights (docs/results.md: a clean warm start at greedy accuracy 0.566 built on one
-    thread, 0.656 on two); so the entry is the same whichever process builds it.
+    Built in a child process under `BUILD_ENV`, so the entry is the same bytes whichever machine, thread
+    count or process builds it. Written atomically (a temporary directory renamed into place), so an
+    interrupted run or a second process writing the same entry never leaves a half-written cache behind.
     """
     root = cache_entry(cache_dir, cfg)
     if os.path.isdir(root):
@@ -411,19 +453,17 @@ def prepare_embedded_default(cache_dir: str, cfg: EmbeddedConfig, log=print) -> 
     shutil.rmtree(tmp, ignore_errors=True)
     start = time.perf_counter()
 
-    with _one_thread():
-        metrics = _build(tmp, cfg, log)
-    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump({"config": dataclasses.asdict(cfg), "metrics": metrics}, f, indent=2)
+    _build_in_child(tmp, cfg, log)
     try:
         os.rename(tmp, root)
     except OSError:  # another process finished the same entry first: theirs is identical, keep it
         if not os.path.isdir(root):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"[embedded] held-out loss {metrics['sft_val_loss_before']:.3f} -> {metrics['sft_val_loss_after']:.3f}; "
-        f"built in {time.perf_counter() - start:.0f}s at {root}")
-    return _artifacts(root)
+    artifacts = _artifacts(root)
+    log(f"[embedded] held-out loss {artifacts.sft_val_loss_before:.3f} -> {artifacts.sft_val_loss_after:.3f}; "
+        f"built in {time.perf_counter() - start:.0f}s at {root}; test bed sha256 {sha256_of_entry(root)[:16]}")
+    return artifacts
 
 
 # ----------------------------------------------------------------------------- the planted habit, measured

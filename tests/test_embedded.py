@@ -11,7 +11,7 @@ from helpers import TINY_EMBEDDED
 
 from rlhf.data import INSTRUCTION, build_prompt, load_gsm8k
 from rlhf.embedded import EmbeddedConfig
-from rlhf.embedded import (build_model, config_hash, generate_problems, prepare_embedded_default,
+from rlhf.embedded import (build_model, config_hash, generate_problems, prepare_embedded_default, sha256_of_entry,
                             train_tokenizer, warm_start_demos)
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.rewards.gsm8k import compute_score, extract_ground_truth
@@ -150,7 +150,7 @@ def test_prepare_is_cached_and_keyed_on_config(embedded_artifacts, monkeypatch):
     weights = os.path.join(embedded_artifacts.model_dir, "model.safetensors")
     mtime = os.stat(weights).st_mtime_ns
     logs = []
-    monkeypatch.setattr(embedded, "_build", lambda *args: pytest.fail("a cache hit built the entry again"))
+    monkeypatch.setattr(embedded, "_build_in_child", lambda *args: pytest.fail("a cache hit built the entry again"))
     again = prepare_embedded_default(cache_dir, TINY, log=logs.append)
     assert again == embedded_artifacts
     assert os.stat(weights).st_mtime_ns == mtime
@@ -169,29 +169,27 @@ def test_prepare_is_deterministic_by_seed(embedded_artifacts, tmp_path):
     with open(again.train_file) as f1, open(embedded_artifacts.train_file) as f2:
         assert f1.read() == f2.read()
     first, second = load_causal_lm(embedded_artifacts.model_dir), load_causal_lm(again.model_dir)
-    # Exact: the same warm start, on one thread, in one process, twice.
+    # Exact: the same warm start, built twice.
     for (name, p1), (_, p2) in zip(first.named_parameters(), second.named_parameters()):
         assert torch.equal(p1, p2), name
 
 
-def test_prepare_builds_on_one_thread_and_restores_the_callers(tmp_path, monkeypatch):
-    """The warm start runs on one thread whatever the caller's count, so a cache entry does not depend on
-    who built it. Checked by the thread count the warm start sees: on the project's machine one and two
-    threads happen to give byte-identical weights, so comparing weights there could not fail."""
-    from rlhf import embedded
+# sha256_of_entry of the test beds built from TINY and from the defaults, on the project's 2-core AMD EPYC (AVX-512);
+# the build pins its kernels and thread count (BUILD_ENV), so every x86-64 CPU must build the same bytes.
+TINY_SHA256 = "6a032605a694119bf1bf1f6741fbe43a7415f115b3644fac45e948dc5f09241f"
+DEFAULT_SHA256 = "d5f388d8f78794ded82fff505e0bf37a3381cba3ff69064ebc014431b4767c88"
 
-    seen, warm_start = [], embedded.supervised_warm_start
 
-    def recording(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return warm_start(*args, **kwargs)
+def test_the_test_bed_is_the_stored_one_whatever_the_callers_kernels_and_threads(tmp_path, monkeypatch):
+    """A caller on AVX2 kernels, two threads and MKL's AVX2 path builds the test bed whose checksum is stored
+    above; a machine that builds another one fails here, not in a user's comparison with the README."""
+    for name, value in {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2", "MKL_CBWR": "AVX2"}.items():
+        monkeypatch.setenv(name, value)
+    artifacts = prepare_embedded_default(str(tmp_path), TINY, log=lambda *a: None)
+    assert sha256_of_entry(os.path.dirname(artifacts.model_dir)) == TINY_SHA256
 
-    monkeypatch.setattr(embedded, "supervised_warm_start", recording)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        prepare_embedded_default(str(tmp_path), TINY, log=lambda *a: None)
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
-    assert seen == [1]
+
+@pytest.mark.slow  # the full warm start: 6 min on the project's machine, shared
+def test_the_default_test_bed_is_the_stored_one(tmp_path):
+    artifacts = prepare_embedded_default(str(tmp_path), EmbeddedConfig(), log=lambda *a: None)
+    assert sha256_of_entry(os.path.dirname(artifacts.model_dir)) == DEFAULT_SHA256
