@@ -6,7 +6,7 @@ What shrinks (SHRUNK, and nothing else): the model (a toy of the config's family
 for SmolLM2, saved in bfloat16 as the hub's are; the embedded default and the lab's tasks at test size), the data
 (GSM8K-schema rows made here), the batch (2 prompts per mini-batch, as many mini-batches per step as the config
 has), the evaluation (2 problems a batch, as many batches as the config's evaluation of its whole held-out set
-takes), the response length, and the step count (2, a checkpoint after each). A new file in configs/ joins the
+takes, its prompt pass 1 prompt at a time where the config sub-batches it), the response length, and the step count (2, a checkpoint after each). A new file in configs/ joins the
 test by itself; one whose model is of a family the test cannot make fails, naming it.
 
 The configs meant for several GPUs (the GSM8K recipes) also run under 2 processes (DDP on the CPU), and their
@@ -32,7 +32,7 @@ from rlhf.tracking import read_metrics
 
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 SHRUNK = ("model.path", "data.train_files", "data.val_files", "data.train_batch_size", "data.val_batch_size",
-          "data.max_val_samples", "data.max_response_length", "actor.ppo_mini_batch_size", "task.options",
+          "data.val_prefill_batch_size", "data.max_val_samples", "data.max_response_length", "actor.ppo_mini_batch_size", "task.options",
           "trainer.total_steps", "trainer.save_freq", "trainer.test_freq", "trainer.output_dir", "trainer.cache_dir",
           "trainer.logger")
 GSM8K_TEST = 1319  # problems in openai/gsm8k's test split, which a recipe evaluates whole
@@ -98,6 +98,8 @@ def shrunk(config_path: str, toy_parts, out_dir, processes: int = 1) -> list[str
         held_out = cfg.data.max_val_samples or cfg.data.val_batch_size
     minibatches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
     val_batches = math.ceil(held_out / cfg.data.val_batch_size)
+    if cfg.data.val_prefill_batch_size:  # the evaluation's prompt pass in sub-batches, as the recipe's
+        args.append("data.val_prefill_batch_size=1")
     return [*args, f"data.train_batch_size={2 * processes * minibatches}",
             f"actor.ppo_mini_batch_size={2 * processes}", "data.val_batch_size=2",
             f"data.max_val_samples={max(2, 2 * val_batches - 1)}",
