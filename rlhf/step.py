@@ -291,12 +291,12 @@ def ppo_update(cfg: Config, plan: Plan, accelerator, run: Setup, batch: Batch, s
             # DDP all-reduces the gradients on a mini-batch's last micro-batch only: accelerate's no_sync on the
             # others, the forward inside it, as DDP needs
             sync = accelerator.no_sync if i < len(micro_indices) - 1 else lambda model: contextlib.nullcontext()
+            micro = batch.select(micro_index)
             with timer("update_actor"), sync(actor):
                 with accelerator.autocast():  # forward only: the backward runs outside autocast
-                    logprobs, entropy, exact_kl = actor_forward(cfg, plan, run.models, batch.seq.select(micro_index))
+                    logprobs, entropy, exact_kl = actor_forward(cfg, plan, run.models, micro.seq)
                     if plan.old_logprobs_from == "update":  # one epoch, one step: the weights are the rollout's
-                        batch.old_logprobs[micro_index] = logprobs.detach()
-                    micro = batch.select(micro_index)
+                        micro.old_logprobs = batch.old_logprobs[micro_index] = logprobs.detach()
                     loss, metrics = actor_loss(ac, plan.loss_kl, micro, logprobs, entropy, exact_kl, scale)
                 accelerator.backward(loss * world)
                 finite["actor"] &= math.isfinite(loss.item())
