@@ -820,7 +820,7 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str, memory: Par
         zeros = torch.zeros(seq.response_mask.shape, device=accelerator.device)
         batch = Batch(seq=seq, group_ids=torch.arange(responses, device=accelerator.device),
                       old_logprobs=passes.old_logprobs, sampler_logprobs=seq.logprobs, ref_logprobs=passes.ref_logprobs,
-                      exact_kl=passes.exact_kl, exact_forward_kl=passes.exact_forward_kl, values=passes.values,
+                      exact_kl=passes.exact_kl, exact_forward_kl=passes.exact_forward_kl, old_values=passes.old_values,
                       token_rewards=zeros, advantages=zeros, returns=zeros)
         # AdamW's moments are made at the first optimizer step: one update first, so every size counts them
         ppo_update(cfg, plan, accelerator, run, batch, 1, PhaseProbe(device))

@@ -7,10 +7,12 @@ masked-out positions never influence a result, even when they hold NaN or inf.
 Every loss returns `(loss, metrics)` where `loss` is a scalar tensor and `metrics` a dict of Python floats
 named as in verl (`actor/pg_loss`, `critic/vf_loss`, ...), so users of verl can read the dashboards as is.
 
-How a (B, T) loss matrix becomes a scalar is chosen by name from `LOSS_AGG_MODES` (see `agg_loss`).
+How a (B, T) loss matrix becomes a scalar is chosen by name from `LOSS_AGG_MODES` (a `LossAgg`, see `agg_loss`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -115,27 +117,29 @@ def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask
     return advantages, returns
 
 
-# verl's `algorithm.adv_estimator` names -> fn(token_rewards, values, response_mask, group_ids, gamma, lam,
-# norm_by_std, reduce_sum) -> the final (advantages, returns), all (B, T).
+# verl's `algorithm.adv_estimator` names -> fn(token_rewards, values, response_mask, group_ids, algorithm,
+# reduce_sum) -> the final (advantages, returns), all (B, T); `algorithm` holds gamma, lam and
+# norm_adv_by_std_in_grpo (the config's algorithm section).
 ADV_ESTIMATOR_REGISTRY = Registry("advantage estimator", "estimators")
 
 
 @ADV_ESTIMATOR_REGISTRY.register("gae")
-def _gae_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
+def _gae_advantages(token_rewards, values, response_mask, group_ids, algorithm, reduce_sum):
     """compute_gae's advantages, whitened over all processes' valid tokens as verl does, and its returns."""
-    advantages, returns = compute_gae(token_rewards, values, response_mask, gamma, lam)
+    advantages, returns = compute_gae(token_rewards, values, response_mask, algorithm.gamma, algorithm.lam)
     return masked_whiten(advantages, response_mask, reduce_sum), returns
 
 
 @ADV_ESTIMATOR_REGISTRY.register("grpo")
-def _grpo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
-    """(score - group mean) / (group std + 1e-6), or score - group mean without norm_by_std (Dr. GRPO). A group
-    never straddles processes, so nothing is reduced over them."""
-    return group_outcome_advantages(token_rewards, response_mask, group_ids, "grpo", norm_by_std)
+def _grpo_advantages(token_rewards, values, response_mask, group_ids, algorithm, reduce_sum):
+    """(score - group mean) / (group std + 1e-6), or score - group mean without norm_adv_by_std_in_grpo (Dr.
+    GRPO). A group never straddles processes, so nothing is reduced over them."""
+    return group_outcome_advantages(token_rewards, response_mask, group_ids, "grpo",
+                                    algorithm.norm_adv_by_std_in_grpo)
 
 
 @ADV_ESTIMATOR_REGISTRY.register("rloo")
-def _rloo_advantages(token_rewards, values, response_mask, group_ids, gamma, lam, norm_by_std, reduce_sum):
+def _rloo_advantages(token_rewards, values, response_mask, group_ids, algorithm, reduce_sum):
     """score - mean of the group's other scores (within one process, as grpo)."""
     return group_outcome_advantages(token_rewards, response_mask, group_ids, "rloo")
 
@@ -203,12 +207,22 @@ def group_outcome_advantages(
 LOSS_AGG_REGISTRY = Registry("loss_agg_mode", "modes")
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens=None, num_seqs=None,
-             norm_len=None) -> torch.Tensor:
-    """Aggregate a (B, T) per-token loss into a scalar by `mode` (one of LOSS_AGG_MODES: each says how). On a
-    micro-batch, pass the mini-batch's `num_tokens` / `num_seqs` (and `norm_len`) so that the micro-batch losses
-    sum to the mini-batch's; by default they are the micro-batch's own (an empty sequence counts in B)."""
-    return LOSS_AGG_REGISTRY[mode](loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+@dataclass(frozen=True)
+class LossAgg:
+    """How a (B, T) per-token loss becomes a scalar (`agg_loss`): `mode`, one of LOSS_AGG_MODES (each says how),
+    and the counts it divides by. On a micro-batch, the mini-batch's (its valid tokens, sequences and padded
+    length), so that the micro-batches' losses add up to the mini-batch's; None: the loss's own (an empty sequence
+    counts in B)."""
+
+    mode: str = "token-mean"
+    num_tokens: torch.Tensor | int | None = None
+    num_seqs: int | None = None
+    norm_len: int | None = None
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg = LossAgg()) -> torch.Tensor:
+    """A (B, T) per-token loss aggregated into a scalar as `agg` says."""
+    return LOSS_AGG_REGISTRY[agg.mode](loss_mat, mask, agg.num_tokens, agg.num_seqs, agg.norm_len)
 
 
 def _divide(total: torch.Tensor, denominator) -> torch.Tensor:
@@ -230,7 +244,7 @@ def _agg_token_mean(loss_mat, mask, num_tokens=None, num_seqs=None, norm_len=Non
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_ratio: float = 0.2, clip_ratio_c: float = 3.0,
-                loss_agg_mode: str = "token-mean", **agg_kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+                agg: LossAgg = LossAgg()) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (Schulman et al. 2017) with dual clip (Ye et al. 2020), all (B, T) inputs:
 
         ratio = exp(logprobs - old_logprobs)
@@ -251,7 +265,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     dual_clipped = (advantages < 0) & (ppo_losses > dual_cap)
     pg_losses = torch.where(dual_clipped, dual_cap, ppo_losses)  # (B, T)
 
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(pg_losses, response_mask, agg)
     with torch.no_grad():
         metrics = {
             "actor/pg_loss": loss.item(),
@@ -266,8 +280,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
-               cliprange_value: float = 0.2, loss_agg_mode: str = "token-mean",
-               **agg_kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+               cliprange_value: float = 0.2, agg: LossAgg = LossAgg()) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss, all (B, T) inputs: 0.5 * max((v - R)^2, (clip(v, v_old ± cliprange_value) - R)^2),
     which keeps the critic near its rollout-time values, as the original PPO code (openai/baselines ppo2)."""
     values, returns, old_values = values.float(), returns.float(), old_values.float()
@@ -278,7 +291,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     clipped = (values_clipped - returns) ** 2
     vf_losses = 0.5 * torch.maximum(unclipped, clipped)  # (B, T)
 
-    loss = agg_loss(vf_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(vf_losses, response_mask, agg)
     with torch.no_grad():
         metrics = {
             "critic/vf_loss": loss.item(),

@@ -66,12 +66,12 @@ def train_step(cfg: Config, plan: Plan, accelerator, run: Setup, step: int, time
     reward_kl = None if plan.reward_kl is None else plan.reward_kl(passes.old_logprobs, passes.ref_logprobs,
                                                                    passes.exact_kl)
     token_rewards = core_algos.token_rewards(scored.scores, mask, reward_kl, run.kl_ctrl.value)
-    advantages, returns = core_algos.ADV_ESTIMATOR_REGISTRY[a.adv_estimator](
-        token_rewards, passes.values, mask, group_ids.to(mask.device), a.gamma, a.lam, a.norm_adv_by_std_in_grpo,
-        reduce_sum)
-    batch = Batch(seq=seq, group_ids=group_ids.to(mask.device), old_logprobs=passes.old_logprobs,
-                  sampler_logprobs=seq.logprobs, ref_logprobs=passes.ref_logprobs, exact_kl=passes.exact_kl,
-                  exact_forward_kl=passes.exact_forward_kl, values=passes.values, token_rewards=token_rewards,
+    group_ids = group_ids.to(mask.device)
+    advantages, returns = core_algos.ADV_ESTIMATOR_REGISTRY[a.adv_estimator](token_rewards, passes.old_values, mask,
+                                                                             group_ids, a, reduce_sum)
+    batch = Batch(seq=seq, group_ids=group_ids, old_logprobs=passes.old_logprobs, sampler_logprobs=seq.logprobs,
+                  ref_logprobs=passes.ref_logprobs, exact_kl=passes.exact_kl,
+                  exact_forward_kl=passes.exact_forward_kl, old_values=passes.old_values, token_rewards=token_rewards,
                   advantages=advantages, returns=returns)
 
     # ----------------------------------------------------------------------------- PPO epochs
@@ -140,8 +140,8 @@ def computes_exact_kl(cfg: Config) -> bool:
 def old_logprobs_from(cfg: Config, sampler_logprobs: bool = False) -> OldLogprobsFrom:
     """Where a step's old log-probs come from: "forward" (the actor's forward pass over the rollout batch),
     "update" (the update's own, detached: one epoch of one mini-batch steps once, after every micro-batch's
-    forward at the rollout's weights, so the ratio is exactly 1) or "sampler" (the decoding loop's, if kept). A
-    KL in the reward needs them before the advantages."""
+    forward at the rollout's weights, so the ratio is exactly 1; none before the update) or "sampler" (the
+    decoding loop's, if kept). A KL in the reward needs them before the advantages."""
     a, ac = cfg.algorithm, cfg.actor
     if ac.recompute_old_logprobs == "always" or computes_exact_kl(cfg):
         return "forward"
@@ -172,19 +172,19 @@ class Passes:
     """The forward passes over the sampled batch at the rollout's weights (`forward_passes`); None where the plan
     needs none."""
 
-    old_logprobs: torch.Tensor  # log pi_old of each token (Batch.old_logprobs: from where the plan says)
+    old_logprobs: torch.Tensor | None  # log pi_old of each token (Batch.old_logprobs: from where the plan says)
     ref_logprobs: torch.Tensor | None  # log pi_ref; None without a reference model
     exact_kl: torch.Tensor | None  # exact KL(pi_old || pi_ref) per token (kl.full_kl): the panel, a `full` reward
     exact_forward_kl: torch.Tensor | None  # exact KL(pi_ref || pi_old) per token, for the panel
-    values: torch.Tensor | None  # the critic's V(prompt + response[:t]); None without a critic
+    old_values: torch.Tensor | None  # the critic's V(prompt + response[:t]); None without a critic
 
 
 @torch.no_grad()
 def forward_passes(cfg: Config, plan: Plan, accelerator, models, seq: Sequences, timer: Timer) -> Passes:
     """In micro-batches at the rollout's weights, the forward passes the plan needs: the actor's (the old
     log-probs), the reference's with the exact KL both ways from both models' logits, the critic's values. The old
-    log-probs are the forward pass's, the sampler's (`seq.logprobs`) or, where the plan says "update", a tensor the
-    update fills with its own."""
+    log-probs are the forward pass's, the sampler's (`seq.logprobs`) or, where the plan says "update", None (the
+    update's own)."""
     (actor, critic, ref), r = models, cfg.rollout
     passes = defaultdict(list)
     for index in torch.arange(len(seq.response_ids)).split(r.log_prob_micro_batch_size):
@@ -204,13 +204,12 @@ def forward_passes(cfg: Config, plan: Plan, accelerator, models, seq: Sequences,
         del logits
         if critic is not None:
             with timer("values"), accelerator.autocast():
-                passes["values"].append(response_values(critic, micro))
+                passes["old_values"].append(response_values(critic, micro))
     passes = {name: torch.cat(parts) for name, parts in passes.items()}
-    old_logprobs = {"forward": passes.get("old_logprobs"), "sampler": seq.logprobs,
-                    "update": torch.zeros(seq.response_mask.shape, device=seq.response_mask.device)}
+    old_logprobs = {"forward": passes.get("old_logprobs"), "sampler": seq.logprobs, "update": None}
     return Passes(old_logprobs=old_logprobs[plan.old_logprobs_from], ref_logprobs=passes.get("ref_logprobs"),
                   exact_kl=passes.get("exact_kl"), exact_forward_kl=passes.get("exact_forward_kl"),
-                  values=passes.get("values"))
+                  old_values=passes.get("old_values"))
 
 
 def response_logits(model, seq: Sequences) -> torch.Tensor:
@@ -246,12 +245,12 @@ class Batch:
 
     seq: Sequences  # prompts, responses, their masks and positions (rlhf.rollout)
     group_ids: torch.Tensor  # (B,) the index of each response's prompt on this process
-    old_logprobs: torch.Tensor  # log pi_old: the forward pass's, the sampler's, or the update's own (Plan)
+    old_logprobs: torch.Tensor | None  # log pi_old: the forward pass's or the sampler's; None: the update's own (Plan)
     sampler_logprobs: torch.Tensor | None  # the decoding loop's, where kept (Plan.keep_sampler_logprobs)
     ref_logprobs: torch.Tensor | None  # log pi_ref; None without a reference model
     exact_kl: torch.Tensor | None  # exact KL(pi_old || pi_ref) per token: the panel, a `full` reward
     exact_forward_kl: torch.Tensor | None  # exact KL(pi_ref || pi_old) per token, for the panel
-    values: torch.Tensor | None  # the critic's at the rollout's weights; None without a critic
+    old_values: torch.Tensor | None  # the critic's at the rollout's weights; None without a critic
     token_rewards: torch.Tensor  # the score on the last token, minus the reward's KL penalty
     advantages: torch.Tensor
     returns: torch.Tensor  # the critic's targets
@@ -280,11 +279,11 @@ def ppo_update(cfg: Config, plan: Plan, accelerator, run: Setup, batch: Batch, s
     mini_indices = minibatches(len(mask), mini_size // world, ac.ppo_epochs, cfg.trainer.seed, step)
     for mini_index in mini_indices:  # every epoch's mini-batches, in the epoch's order
         # The one scaling: a micro-batch's losses are divided by the counts of the whole global mini-batch (its
-        # tokens over all processes, its sequences, the padded length: agg_loss), so that the micro-batches'
+        # tokens over all processes, its sequences, the padded length: LossAgg), so that the micro-batches'
         # gradients add up to the mini-batch's; and DDP averages gradients over processes, so each process's
         # share counts `world` times, to make that average the sum (its logged losses too: averaged likewise).
-        scale = dict(num_tokens=accelerator.reduce(mask[mini_index].sum().float(), "sum"), num_seqs=mini_size,
-                     norm_len=mask.shape[1])
+        agg = core_algos.LossAgg(ac.loss_agg_mode, num_tokens=accelerator.reduce(mask[mini_index].sum().float(), "sum"),
+                                 num_seqs=mini_size, norm_len=mask.shape[1])
         finite = {name: True for name, *_ in learners}
         micro_indices = mini_index.split(ac.ppo_micro_batch_size)
         for i, micro_index in enumerate(micro_indices):
@@ -294,22 +293,24 @@ def ppo_update(cfg: Config, plan: Plan, accelerator, run: Setup, batch: Batch, s
             micro = batch.select(micro_index)
             with timer("update_actor"), sync(actor):
                 with accelerator.autocast():  # forward only: the backward runs outside autocast
-                    logprobs, entropy, exact_kl = actor_forward(cfg, plan, run.models, micro.seq)
+                    out = actor_forward(cfg, plan, run.models, micro.seq)
                     if plan.old_logprobs_from == "update":  # one epoch, one step: the weights are the rollout's
-                        micro.old_logprobs = batch.old_logprobs[micro_index] = logprobs.detach()
-                    loss, metrics = actor_loss(ac, plan.loss_kl, micro, logprobs, entropy, exact_kl, scale)
+                        micro = dataclasses.replace(micro, old_logprobs=out.logprobs.detach())
+                    loss, metrics = actor_loss(ac, plan.loss_kl, micro, out, agg)
                 accelerator.backward(loss * world)
                 finite["actor"] &= math.isfinite(loss.item())
             if critic is not None:
                 with timer("update_critic"), sync(critic):
                     with accelerator.autocast():
                         values = response_values(critic, micro.seq)
-                    vf_loss, critic_metrics = core_algos.value_loss(
-                        values, micro.values, micro.returns, micro.seq.response_mask, cfg.critic.cliprange_value,
-                        ac.loss_agg_mode, **scale)
+                    vf_loss, critic_metrics = core_algos.value_loss(values, micro.old_values, micro.returns,
+                                                                    micro.seq.response_mask, cfg.critic.cliprange_value,
+                                                                    agg)
                     accelerator.backward(vf_loss * world)
                     finite["critic"] &= math.isfinite(vf_loss.item())
                 metrics.update(critic_metrics)
+            if plan.old_logprobs_from == "update" and micro.sampler_logprobs is not None:  # a mean of micro-batches'
+                metrics.update(logprob_mismatch(micro.sampler_logprobs, micro.old_logprobs, micro.seq.response_mask))
             for key, value in metrics.items():
                 records[key].append(value * world if key in MINI_BATCH_LOSSES else value)
         with timer("update_step"):
@@ -352,9 +353,17 @@ def minibatches(num_local: int, local_mini_size: int, num_epochs: int, seed: int
             for index in torch.randperm(num_local, generator=generator).split(local_mini_size)]
 
 
-def actor_forward(cfg: Config, plan: Plan, models, seq: Sequences):
-    """The actor's forward pass on a micro-batch: (its log-probs (B, R), its entropy (B, R), in the graph only if
-    in the loss; the exact KL to the reference (B, R) through the actor's logits, for a `full` KL loss, else None)."""
+@dataclass
+class ActorOutput:
+    """The actor's forward pass on a micro-batch (`actor_forward`), all (B, R)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor  # in the graph only if in the loss (actor.entropy_coeff)
+    exact_kl: torch.Tensor | None  # exact KL(pi || pi_ref) through the actor's logits, for a `full` KL loss; else None
+
+
+def actor_forward(cfg: Config, plan: Plan, models, seq: Sequences) -> ActorOutput:
+    """The actor's forward pass on a micro-batch, and what the loss needs from its logits."""
     (actor, _, ref), temperature = models, cfg.rollout.temperature
     logprobs, logits = logprobs_and_logits(actor, seq, temperature)
     with torch.set_grad_enabled(bool(cfg.actor.entropy_coeff)):  # out of the graph unless in the loss
@@ -364,31 +373,28 @@ def actor_forward(cfg: Config, plan: Plan, models, seq: Sequences):
         with torch.no_grad():
             ref_logits = response_logits(ref, seq)
         exact_kl = kl.full_kl(logits, ref_logits, temperature)
-    return logprobs, entropy, exact_kl
+    return ActorOutput(logprobs=logprobs, entropy=entropy, exact_kl=exact_kl)
 
 
-def actor_loss(ac, loss_kl: kl.KLEstimator | None, micro: Batch, logprobs: torch.Tensor, entropy: torch.Tensor,
-               exact_kl: torch.Tensor | None = None, scale: dict | None = None) -> tuple[torch.Tensor, dict]:
-    """The actor's loss on a micro-batch, with `ac` the actor's config and `logprobs`, `entropy` (B, R) its
-    forward pass's:
+def actor_loss(ac, loss_kl: kl.KLEstimator | None, micro: Batch, out: ActorOutput,
+               agg: core_algos.LossAgg) -> tuple[torch.Tensor, dict]:
+    """The actor's loss on a micro-batch, with `ac` the actor's config and `out` its forward pass:
 
         loss = policy_loss(ratio, A) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl)   (kl: `loss_kl`)
 
-    with kl weighted by rho = exp(logprobs - old_logprobs) when kl_loss_off_policy_correction is on; `exact_kl`
-    (differentiable through the actor's logits) only for a `full` KL. `scale` (num_tokens, num_seqs, norm_len)
-    normalises by the whole mini-batch (ppo_update says why); None: by the micro-batch's own counts."""
-    scale, mask = scale or {}, micro.seq.response_mask
-    loss, metrics = core_algos.policy_loss(logprobs, micro.old_logprobs, micro.advantages, mask, ac.clip_ratio,
-                                           ac.clip_ratio_c, ac.loss_agg_mode, **scale)
+    with kl weighted by rho = exp(logprobs - old_logprobs) when kl_loss_off_policy_correction is on. `agg` normalises
+    by the whole mini-batch (ppo_update says why)."""
+    mask = micro.seq.response_mask
+    loss, metrics = core_algos.policy_loss(out.logprobs, micro.old_logprobs, micro.advantages, mask, ac.clip_ratio,
+                                           ac.clip_ratio_c, agg)
     if ac.entropy_coeff:
-        loss = loss - ac.entropy_coeff * core_algos.agg_loss(entropy, mask, ac.loss_agg_mode, **scale)
+        loss = loss - ac.entropy_coeff * core_algos.agg_loss(out.entropy, mask, agg)
     if loss_kl is not None:
         old = micro.old_logprobs if ac.kl_loss_off_policy_correction else None
-        kl_loss = core_algos.agg_loss(loss_kl(logprobs, micro.ref_logprobs, exact_kl, old), mask, ac.loss_agg_mode,
-                                      **scale)
+        kl_loss = core_algos.agg_loss(loss_kl(out.logprobs, micro.ref_logprobs, out.exact_kl, old), mask, agg)
         loss = loss + ac.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss.item()
-    metrics["actor/entropy"] = core_algos.masked_mean(entropy.detach(), mask).item()
+    metrics["actor/entropy"] = core_algos.masked_mean(out.entropy.detach(), mask).item()
     return loss, metrics
 
 
@@ -410,8 +416,8 @@ def batch_metrics(cfg: Config, plan: Plan, accelerator, batch: Batch, scored: re
         "critic/advantages/max": batch.advantages[valid].max(),
         "critic/advantages/min": batch.advantages[valid].min(),
     }
-    if batch.values is not None:
-        local["critic/vf_explained_var"] = core_algos.explained_variance(batch.values, batch.returns, mask)
+    if batch.old_values is not None:
+        local["critic/vf_explained_var"] = core_algos.explained_variance(batch.old_values, batch.returns, mask)
     for key, part_scores in scored.parts.items():  # the parts of a reward of several (reward.functions)
         local[f"{key}/mean"] = part_scores.mean()
     if cfg.rollout.n > 1:
@@ -422,7 +428,7 @@ def batch_metrics(cfg: Config, plan: Plan, accelerator, batch: Batch, scored: re
         panel["kl/full"] = core_algos.masked_mean(batch.exact_kl, mask).item()
         panel["kl/full_forward"] = core_algos.masked_mean(batch.exact_forward_kl, mask).item()
         metrics.update(token_weighted_means(panel, mask.sum(), reduce_sum))
-    if batch.sampler_logprobs is not None and plan.old_logprobs_from != "sampler":  # against the recomputed ones
+    if batch.sampler_logprobs is not None and plan.old_logprobs_from == "forward":  # against the recomputed ones
         mismatch = logprob_mismatch(batch.sampler_logprobs, batch.old_logprobs, mask)
         largest = {"rollout/logprob_abs_diff/max": mismatch.pop("rollout/logprob_abs_diff/max")}
         metrics.update(mean_over_processes(accelerator, largest))

@@ -7,11 +7,12 @@ import torch
 from helpers import in_processes
 
 from rlhf import core_algos
-from rlhf.config import ConfigError, load_config
+from rlhf.config import AlgorithmConfig, ConfigError, load_config
 from rlhf.core_algos import (
     ADV_ESTIMATOR_REGISTRY,
     ADV_ESTIMATORS,
     LOSS_AGG_MODES,
+    LossAgg,
     agg_loss,
     check_adv_estimator,
     check_loss_agg_mode,
@@ -154,7 +155,7 @@ def test_loss_agg_modes_registered_and_unknown_mode_lists_them():
     for mode in LOSS_AGG_MODES:
         check_loss_agg_mode(mode)
     with pytest.raises(ValueError) as excinfo:
-        agg_loss(torch.ones(1, 1), torch.ones(1, 1), "seq-mean")
+        agg_loss(torch.ones(1, 1), torch.ones(1, 1), LossAgg("seq-mean"))
     assert all(mode in str(excinfo.value) for mode in LOSS_AGG_MODES)
     with pytest.raises(ValueError, match="token-mean"):
         check_loss_agg_mode("mean")
@@ -176,7 +177,7 @@ def test_loss_agg_modes_registered_and_unknown_mode_lists_them():
 def test_agg_loss_hand_numbers(mode, kwargs, expected):
     loss_mat = torch.tensor([[1.0, 2.0, NAN], [4.0, NAN, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert agg_loss(loss_mat, mask, mode, **kwargs).item() == pytest.approx(expected)
+    assert agg_loss(loss_mat, mask, LossAgg(mode, **kwargs)).item() == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -185,10 +186,10 @@ def test_agg_loss_microbatches_with_global_normalisers_sum_to_batch_loss(mode):
     loss_mat = torch.randn(6, 5, generator=gen)
     lengths = torch.tensor([5, 1, 3, 0, 2, 4])  # micro-batches hold 6, 3 and 6 tokens
     mask = (torch.arange(5)[None, :] < lengths[:, None]).float()
-    whole = agg_loss(loss_mat, mask, mode)
+    whole = agg_loss(loss_mat, mask, LossAgg(mode))
     global_counts = {"num_tokens": mask.sum(), "num_seqs": 6}
     micro = sum(
-        agg_loss(loss_mat[i : i + 2], mask[i : i + 2], mode, **global_counts) for i in range(0, 6, 2)
+        agg_loss(loss_mat[i : i + 2], mask[i : i + 2], LossAgg(mode, **global_counts)) for i in range(0, 6, 2)
     )
     assert micro.item() == pytest.approx(whole.item(), abs=1e-6)
 
@@ -273,8 +274,8 @@ def test_policy_loss_float32_and_finite_for_huge_log_ratio():
 def test_policy_loss_uses_aggregation_mode(mode):
     old_logprobs, logprobs, advantages, mask = _crafted_policy_batch()
     token_losses = torch.tensor([[-1.2, -0.5, 1.5, 0.8, 0.0]])
-    loss, _ = policy_loss(logprobs, old_logprobs, advantages, mask, loss_agg_mode=mode, num_seqs=3)
-    assert loss.item() == pytest.approx(agg_loss(token_losses, mask, mode, num_seqs=3).item(), rel=1e-5)
+    loss, _ = policy_loss(logprobs, old_logprobs, advantages, mask, agg=LossAgg(mode, num_seqs=3))
+    assert loss.item() == pytest.approx(agg_loss(token_losses, mask, LossAgg(mode, num_seqs=3)).item(), rel=1e-5)
 
 
 # --- value loss ------------------------------------------------------------------------------------------
@@ -520,7 +521,7 @@ def test_every_advantage_estimator_returns_final_advantages():
     group-relative ones: the trainer uses what the registry returns as is."""
     rewards = _scores_as_rewards(GROUP_SCORES, GROUP_MASK)
     values = torch.linspace(-1, 1, GROUP_MASK.numel()).reshape(GROUP_MASK.shape)
-    args = (rewards, values, GROUP_MASK, GROUP_IDS, 0.9, 0.8, True)
+    args = (rewards, values, GROUP_MASK, GROUP_IDS, AlgorithmConfig(gamma=0.9, lam=0.8))
     gae, returns = ADV_ESTIMATOR_REGISTRY["gae"](*args, one_process)
     raw, raw_returns = compute_gae(rewards, values, GROUP_MASK, 0.9, 0.8)
     torch.testing.assert_close(gae, masked_whiten(raw, GROUP_MASK))

@@ -10,6 +10,7 @@ import torch
 from helpers import nudge
 
 from lab import theory
+from rlhf.config import AlgorithmConfig
 from rlhf.kl import canonical
 from lab.theory import advantage_models as am
 from lab.theory import examples, fixed_point_tables, optima
@@ -583,7 +584,7 @@ def test_gae_models_the_trainers_whitening():
         value = (probs * scores).sum()
         token_rewards, values = scores[arms][:, None], torch.full((len(arms), 1), value.item(), dtype=torch.float64)
         advantages, _ = core_algos.ADV_ESTIMATOR_REGISTRY["gae"](token_rewards, values, torch.ones_like(values),
-                                                                 None, 1.0, 1.0, True, core_algos.one_process)
+                                                                 None, MONTE_CARLO, core_algos.one_process)
         trainer = torch.stack([advantages[arms == x, 0].mean() for x in range(4)])
         base, p = fp._bandit_advantages(am.AdvantageModel("gae"), logits, r, beta, penalty, placement)
         model = base - beta * p if placement == "reward" else base
@@ -592,6 +593,7 @@ def test_gae_models_the_trainers_whitening():
 
 
 PLACEMENTS_AND_ESTIMATORS = {"reward": "k3", "loss": "k3+"}
+MONTE_CARLO = AlgorithmConfig(gamma=1.0, lam=1.0)  # GAE with Monte-Carlo returns
 
 
 # The tree under each advantage estimator
@@ -646,7 +648,7 @@ def test_tree_gae_models_the_trainers_whitening():
         first_values = (joint * token_rewards.new_zeros(3, 3).index_put_((a, b), token_rewards.sum(-1))).sum()
         values = torch.stack([first_values.expand(len(a)), second_values[a]], -1)
         advantages, _ = core_algos.ADV_ESTIMATOR_REGISTRY["gae"](token_rewards, values, torch.ones_like(values),
-                                                                 None, 1.0, 1.0, True, core_algos.one_process)
+                                                                 None, MONTE_CARLO, core_algos.one_process)
         (base1, q1), (base2, q2) = fp._tree_advantages(am.AdvantageModel("gae"), z1, z2, REF1, REF2, R, BETA,
                                                         estimator, placement)
         model1, model2 = base1 - BETA * q1, base2 - BETA * q2

@@ -13,6 +13,7 @@ from helpers import assert_same_rows, sample, tiny_overrides
 import train
 from rlhf import kl, lora
 from rlhf.config import ConfigError, load_config
+from rlhf.core_algos import LossAgg
 from rlhf.models import load_causal_lm
 from rlhf.rollout import SamplingParams, left_pad, paired_noise_generator
 from rlhf.setup import load_models, setup
@@ -124,7 +125,7 @@ def test_every_kl_estimator_in_reward_and_loss_equals_a_separate_reference(lora_
     num_tokens = seq.response_mask.sum()
     ones = torch.ones(mask.shape)
     micro = Batch(seq=seq, group_ids=group_ids, old_logprobs=a.old_logprobs, sampler_logprobs=None,
-                  ref_logprobs=a.ref_logprobs, exact_kl=a.exact_kl, exact_forward_kl=None, values=None,
+                  ref_logprobs=a.ref_logprobs, exact_kl=a.exact_kl, exact_forward_kl=None, old_values=None,
                   token_rewards=ones, advantages=ones, returns=ones)
     for name in (*kl.ESTIMATOR_NAMES, "full"):  # "full+" is refused: full is exact already
         estimator = kl.parse_estimator(name)
@@ -136,9 +137,9 @@ def test_every_kl_estimator_in_reward_and_loss_equals_a_separate_reference(lora_
             loss_plan = plan_step(cfg, "no")
             results = {}
             for side, reference in (("lora", ref), ("separate", base)):
-                logprobs, entropy, exact_kl = actor_forward(cfg, loss_plan, (actor, critic, reference), seq)
-                loss, metrics = actor_loss(cfg.actor, loss_plan.loss_kl, micro, logprobs, entropy, exact_kl,
-                                           dict(num_tokens=num_tokens, num_seqs=4, norm_len=mask.shape[1]))
+                out = actor_forward(cfg, loss_plan, (actor, critic, reference), seq)
+                loss, metrics = actor_loss(cfg.actor, loss_plan.loss_kl, micro, out,
+                                           LossAgg(cfg.actor.loss_agg_mode, num_tokens, num_seqs=4, norm_len=mask.shape[1]))
                 loss.backward()
                 grads = [p.grad.clone() for p in actor.parameters() if p.requires_grad]
                 actor.zero_grad()

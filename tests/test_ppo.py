@@ -54,10 +54,10 @@ def actor_loss(cfg: ActorConfig, logprobs, old_logprobs, advantages, mask, entro
                           torch.zeros(mask.shape, dtype=torch.long), mask)
     zeros = torch.zeros(mask.shape)
     micro = step.Batch(seq=seq, group_ids=torch.arange(len(mask)), old_logprobs=old_logprobs, sampler_logprobs=None,
-                       ref_logprobs=ref_logprobs, exact_kl=None, exact_forward_kl=None, values=zeros,
+                       ref_logprobs=ref_logprobs, exact_kl=None, exact_forward_kl=None, old_values=zeros,
                        token_rewards=zeros, advantages=advantages, returns=zeros)
-    return step.actor_loss(cfg, kl.parse_estimator(cfg.kl_loss_type) if cfg.use_kl_loss else None, micro, logprobs,
-                           entropy, exact_kl)
+    return step.actor_loss(cfg, kl.parse_estimator(cfg.kl_loss_type) if cfg.use_kl_loss else None, micro,
+                           step.ActorOutput(logprobs, entropy, exact_kl), core_algos.LossAgg(cfg.loss_agg_mode))
 
 
 @pytest.mark.parametrize("estimator", [*ESTIMATOR_GRAD, None])
@@ -260,7 +260,7 @@ def rollout(cfg, accelerator, models, tokenizer, rows, group_ids, timer=None, sh
     zeros = torch.zeros(seq.response_mask.shape)
     return step.Batch(seq=seq, group_ids=group_ids, old_logprobs=passes.old_logprobs, sampler_logprobs=seq.logprobs,
                       ref_logprobs=passes.ref_logprobs, exact_kl=passes.exact_kl,
-                      exact_forward_kl=passes.exact_forward_kl, values=passes.values, token_rewards=zeros,
+                      exact_forward_kl=passes.exact_forward_kl, old_values=passes.old_values, token_rewards=zeros,
                       advantages=zeros, returns=zeros)
 
 
@@ -271,7 +271,7 @@ def with_advantages(cfg, plan, batch: step.Batch, scores, kl_coef) -> step.Batch
                                                                    batch.exact_kl)
     token_rewards = core_algos.token_rewards(scores, mask, reward_kl, kl_coef)
     advantages, returns = core_algos.ADV_ESTIMATOR_REGISTRY[a.adv_estimator](
-        token_rewards, batch.values, mask, batch.group_ids, a.gamma, a.lam, a.norm_adv_by_std_in_grpo, lambda x: x)
+        token_rewards, batch.old_values, mask, batch.group_ids, a, lambda x: x)
     return dataclasses.replace(batch, token_rewards=token_rewards, advantages=advantages, returns=returns)
 
 
@@ -331,7 +331,7 @@ def one_file_batch(batch: step.Batch, scores) -> dict:
     tensors = {"input_ids": seq.input_ids, "attention_mask": seq.attention_mask, "position_ids": seq.position_ids,
                "response_ids": seq.response_ids, "response_mask": seq.response_mask, "scores": scores,
                "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs, "full_kl": batch.exact_kl,
-               "values": batch.values}
+               "values": batch.old_values}
     if batch.exact_kl is None:  # no exact KL without the panel: NaN, so that an estimator reading it would show
         tensors["full_kl"] = torch.full(seq.response_mask.shape, float("nan"))
     return {name: tensor for name, tensor in tensors.items() if tensor is not None}
@@ -503,8 +503,8 @@ def test_the_updates_losses_are_the_whole_mini_batchs_in_every_aggregation(setup
     mask, entropy = batch.seq.response_mask, core_algos.entropy_from_logits(logits, cfg.rollout.temperature)
     expected, _ = actor_loss(cfg.actor, logprobs, batch.old_logprobs, batch.advantages, mask, entropy,
                              batch.ref_logprobs)
-    expected_vf, _ = core_algos.value_loss(values, batch.values, batch.returns, mask, cfg.critic.cliprange_value,
-                                           mode)
+    expected_vf, _ = core_algos.value_loss(values, batch.old_values, batch.returns, mask, cfg.critic.cliprange_value,
+                                           core_algos.LossAgg(mode))
     assert len(seen["losses"]) == 8  # 4 micro-batches x 2 models
     assert sum(seen["losses"][0::2]) == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
     assert sum(seen["losses"][1::2]) == pytest.approx(expected_vf.item(), rel=1e-4, abs=1e-6)
@@ -534,15 +534,19 @@ def test_an_exactly_on_policy_update_needs_no_old_logprob_pass(setup_run, case):
         timer = Timer()
         torch.manual_seed(7)
         batch = rollout(c, accelerator, models, tokenizer, rows, sampled.group_ids, timer)
-        # without the pass, the old log-probs are a tensor of 0 the update fills with its own
+        # without the pass there are no old log-probs before the update: it takes its own
         passed = "timing_s/old_log_prob" in timer.metrics()
-        assert (batch.old_logprobs.abs().sum() > 0) == passed == (name == "pass")
+        assert (batch.old_logprobs is not None) == passed == (name == "pass")
         learned = copy.deepcopy(models[0]), copy.deepcopy(models[1])
-        batch, metrics, skipped = trainer_update(c, accelerator, (*learned, models[2]), batch, scores, 0.5)
-        assert skipped == 0 and batch.old_logprobs[batch.seq.response_mask.bool()].lt(0).all()  # filled
+        used, actor_loss = [], step.actor_loss  # the old log-probs of each micro-batch's loss, in the update's order
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(step, "actor_loss", lambda ac, kl, micro, *rest: (used.append(micro.old_logprobs),
+                                                                             actor_loss(ac, kl, micro, *rest))[1])
+            batch, metrics, skipped = trainer_update(c, accelerator, (*learned, models[2]), batch, scores, 0.5)
+        assert skipped == 0 and torch.cat(used).lt(0).all()  # log-probs, from one source or the other
         plan = step.plan_step(c, accelerator.mixed_precision)
         metrics.update(step.batch_metrics(c, plan, accelerator, batch, scored, tokenizer.eos_token_id))
-        runs[name] = batch, batch.old_logprobs, learned, metrics
+        runs[name] = batch, torch.cat(used), learned, metrics
     (skip, skip_old, skip_models, skip_metrics), (full, pass_old, pass_models, pass_metrics) = runs["skip"], runs["pass"]
     assert torch.equal(skip.seq.response_ids, full.seq.response_ids)
     torch.testing.assert_close(skip_old, pass_old)  # the update's own, at the rollout's weights
@@ -592,6 +596,14 @@ def test_the_sampler_logprobs_are_the_old_ones_or_are_compared_with_them(setup_r
         recomputed = step.logprobs_and_logits(models[0], sampled.seq, cfg.rollout.temperature)[0]
     mask = sampled.seq.response_mask.bool()
     torch.testing.assert_close(sampled.old_logprobs[mask], recomputed[mask], rtol=0, atol=1e-4)
+    # Exactly on policy (one epoch, one mini-batch): the update's own are the old ones, and the update compares
+    cfg.actor.ppo_epochs, cfg.actor.ppo_mini_batch_size = 1, cfg.data.train_batch_size
+    cfg.algorithm.use_kl_in_reward = False
+    on_policy = rollout(cfg, accelerator, models, tokenizer, rows, batch.group_ids, Timer(), short=False)
+    assert step.plan_step(cfg, "no").old_logprobs_from == "update" and on_policy.old_logprobs is None
+    learned = copy.deepcopy(models[0]), copy.deepcopy(models[1]), models[2]
+    _, metrics, _ = trainer_update(cfg, accelerator, learned, on_policy, scores, 0.5)
+    assert 0 < metrics["rollout/logprob_abs_diff/max"] < 1e-4 and 0 <= metrics["rollout/logprob_mismatch_kl"] < 1e-9
 
 
 def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup_run):
@@ -612,7 +624,7 @@ def test_rollout_forward_passes_are_the_models_at_the_sampling_temperature(setup
         torch.testing.assert_close(batch.old_logprobs, logprobs)
         torch.testing.assert_close(batch.ref_logprobs, ref_logprobs)
         torch.testing.assert_close(batch.exact_kl, kl.full_kl(logits, ref_logits, 0.7))
-        torch.testing.assert_close(batch.values, step.response_values(critic, batch.seq))
+        torch.testing.assert_close(batch.old_values, step.response_values(critic, batch.seq))
     assert not torch.allclose(batch.old_logprobs, step.logprobs_and_logits(actor, batch.seq, 1.0)[0])
     texts = tokenizer.batch_decode(batch.seq.response_ids, skip_special_tokens=True)
     scores = score_batch(load_reward(cfg), tokenizer, batch.seq, rows).scores
@@ -623,7 +635,7 @@ def test_batch_metrics_are_the_batch_numbers(setup_run):
     cfg, accelerator, _, tokenizer, rows, batch, scores = setup_run()
     mask = batch.seq.response_mask
     batch.token_rewards = core_algos.token_rewards(scores, mask, torch.full(mask.shape, 0.1), 1.0)
-    batch.returns = batch.values + 1
+    batch.returns = batch.old_values + 1
     batch.advantages = torch.where(mask.bool(), torch.arange(mask.numel()).reshape(mask.shape).float(), 99.0)
     scored = score_batch(load_reward(cfg), tokenizer, batch.seq, rows)
     scored.scores = scores
