@@ -599,8 +599,8 @@ def evaluation(result, args, model_dir: str, tokenizer, rows: Rows, tmp: str, re
         start = time.perf_counter()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             seq = generate(model, tokenizer, ids.to(device), mask.to(device),
-                           SamplingParams(cfg.data.max_response_length, greedy=True),
-                           prefill_batch_size=cfg.data.val_prefill_batch_size)
+                           SamplingParams(cfg.data.max_response_length, greedy=True,
+                                          prefill_batch_size=cfg.data.val_prefill_batch_size))
         sync(device)
         seconds = time.perf_counter() - start
         tokens = int(seq.response_mask.sum())
@@ -799,7 +799,8 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str, memory: Par
     micro-batch size, with gradient checkpointing on and off."""
     import torch
 
-    from rlhf.step import Batch, forward_passes, plan_step, ppo_update, sample_responses
+    from rlhf.rollout import generate, left_pad
+    from rlhf.step import Batch, forward_passes, plan_step, ppo_update
 
     device = torch.device(args.device)
     rm = memory_model()
@@ -814,7 +815,9 @@ def memory_sweep(result, args, model_dir: str, rows: Rows, tmp: str, memory: Par
         accelerator = fresh_accelerator(cfg, device)
         run = build_run(cfg, rows, accelerator)
         plan = plan_step(cfg, accelerator.mixed_precision)
-        seq = sample_responses(cfg, plan, accelerator, run, rows[list(range(responses))], None)
+        prompts = left_pad(rows[list(range(responses))]["input_ids"], run.tokenizer.pad_token_id)
+        with accelerator.autocast():
+            seq = generate(run.models[0], run.tokenizer, *(t.to(device) for t in prompts), plan.sampling)
         passes = forward_passes(cfg, plan, accelerator, run.models, seq, PhaseProbe(device))
         # the update's memory does not depend on the advantages' values: 0 (GAE's of zero scores would be close)
         zeros = torch.zeros(seq.response_mask.shape, device=accelerator.device)

@@ -107,8 +107,9 @@ def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool, num_samples
     """(metrics, per-problem values or None, sample rows)."""
     tokenizer, val_set, reward_fn = run.tokenizer, run.val_set, run.reward
     model, n, r = accelerator.unwrap_model(run.models[0]), cfg.trainer.val_samples, cfg.rollout
-    greedy = SamplingParams(cfg.data.max_response_length, greedy=True)
-    sampled = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p)
+    prefill = cfg.data.val_prefill_batch_size
+    greedy = SamplingParams(cfg.data.max_response_length, greedy=True, prefill_batch_size=prefill)
+    sampled = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p, prefill_batch_size=prefill)
     noise = (paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device, "val")
              if n else None)
     sizes = pass_at_k_sizes(n) if n else []
@@ -125,8 +126,7 @@ def _evaluate(cfg, accelerator, run, step: int, keep_problems: bool, num_samples
         prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
         with accelerator.autocast():
             return generate(model, tokenizer, prompt_ids.to(accelerator.device), prompt_mask.to(accelerator.device),
-                            params, all_finished=stop_rule(accelerator), generator=generator,
-                            prefill_batch_size=cfg.data.val_prefill_batch_size)
+                            params, all_finished=stop_rule(accelerator), generator=generator)
 
     def task_values(seq, indices):
         """Each task metric's value of every response to this process's problems (a stand-in row has none)."""

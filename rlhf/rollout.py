@@ -11,7 +11,6 @@ import hashlib
 from dataclasses import dataclass, fields
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from rlhf import decode
@@ -60,9 +59,9 @@ class Sequences:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How `generate` picks each token. Nothing else applies: the checkpoint's generation_config.json is
-    never read (Qwen2.5-Instruct's ships top_k=20, top_p=0.8, repetition_penalty=1.05, under which samples
-    would not be samples of pi and every KL estimate would be biased)."""
+    """How `generate` picks each token, and what it keeps. Nothing else applies: the checkpoint's
+    generation_config.json is never read (Qwen2.5-Instruct's ships top_k=20, top_p=0.8, repetition_penalty=1.05,
+    under which samples would not be samples of pi and every KL estimate would be biased)."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -70,6 +69,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = off
     greedy: bool = False  # argmax instead of sampling (evaluation)
     ignore_eos: bool = False  # sample all max_new_tokens even after EOS (benchmarks)
+    keep_logprobs: bool = False  # keep Sequences.logprobs, of softmax(logits / temperature) before top-k/top-p
+    prefill_batch_size: int | None = None  # prompts per forward of the prompt pass (rlhf.decode.prefill; None: all)
 
 
 def paired_noise_generator(seed: int, step: int, process_index: int, device, stream: str = "rollout") -> torch.Generator:
@@ -127,31 +128,20 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | tupl
     return (eos_before == 0).long()
 
 
-def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-             params: SamplingParams, all_finished=None, generator: torch.Generator | None = None,
-             return_logprobs: bool = False, prefill_batch_size: int | None = None) -> Sequences:
+def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+             all_finished=None, generator: torch.Generator | None = None) -> Sequences:
     """Sample (or greedily decode) one response per left-padded prompt with rlhf.decode's loops (greedy: the tokens
-    of `model.generate`, tests/test_rollout.py). A sequence ends at its first stop token (stop_token_ids); decoding
-    stops when all have, or after max_new_tokens; `all_finished((B,) bool finished) -> bool` may widen "all" to
-    other processes' sequences. `return_logprobs` keeps Sequences.logprobs, before any top-k/top-p filter.
-    `prefill_batch_size`: prompts per forward of the static-cache loop's prompt pass (rlhf.decode.prefill; None:
-    all at once; the reference loop runs them all at once)."""
+    of `model.generate`, tests/test_rollout.py), the noise from `generator` (None: the global random state). A
+    sequence ends at its first stop token (stop_token_ids); decoding stops when all have, or after max_new_tokens;
+    `all_finished((B,) bool finished) -> bool` may widen "all" to other processes' sequences."""
     model = plain_model(model)  # a LoRA policy samples through its transformers model, adapters in place
     eos = None if params.ignore_eos else stop_token_ids(model, tokenizer)
-    # inference_mode saves 4-9% of sampling time over no_grad (the tokens are cloned out of it below); not under
-    # FSDP2 (its in-place updates refuse the gathered inference tensors), nor autocast (recasts weights per token).
-    lighter = not isinstance(model, FSDPModule) and not torch.is_autocast_enabled(prompt_ids.device.type)
-    pick, all_finished = functools.partial(next_token, params=params, generator=generator), all_finished or torch.all
-    with torch.inference_mode() if lighter else torch.no_grad(), decode.cache_kept(model), \
-            decode.few_threads(model, len(prompt_ids)):
-        how = decode.Decoding(params.max_new_tokens, pick, params.temperature, eos, tokenizer.pad_token_id,
-                              generator, return_logprobs, prefill_batch_size)
-        if all_finished is torch.all and decode.supports(model):
-            response_ids, logprobs = decode.decode(model, prompt_ids, prompt_mask, how)
-        else:  # a stop rule of several processes (FSDP2), another architecture: a forward of the model per token
-            response_ids, logprobs = decode.reference_decode(model, prompt_ids, prompt_mask, how, all_finished)
-    response_ids = response_ids.clone()
+    how = decode.Decoding(params.max_new_tokens, functools.partial(next_token, params=params, generator=generator),
+                          params.temperature, eos, tokenizer.pad_token_id, generator, params.keep_logprobs,
+                          params.prefill_batch_size)
+    response_ids, logprobs = decode.sample_tokens(model, prompt_ids, prompt_mask, how, all_finished or torch.all)
+    response_ids = response_ids.clone()  # out of inference_mode
     response_mask = torch.ones_like(response_ids) if eos is None else response_mask_from_ids(response_ids, eos)
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
-    kept = torch.where(response_mask.bool(), logprobs.clone(), 0.0) if return_logprobs else None
+    kept = torch.where(response_mask.bool(), logprobs.clone(), 0.0) if params.keep_logprobs else None
     return Sequences.build(prompt_ids, prompt_mask, response_ids, response_mask, kept)

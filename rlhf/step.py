@@ -53,10 +53,13 @@ def train_step(cfg: Config, plan: Plan, accelerator, run: Setup, step: int, time
     prompts = run.train_set[process_share(run.prompt_order.next_batch(), accelerator.process_index,
                                           accelerator.num_processes)]
     prompt_rows, group_ids = repeat_prompts(prompts, cfg.rollout.n)  # each prompt's group of rollout.n responses
+    prompt_ids, prompt_mask = left_pad(prompt_rows["input_ids"], run.tokenizer.pad_token_id)
     noise = (paired_noise_generator(cfg.trainer.seed, step, accelerator.process_index, accelerator.device)
              if cfg.rollout.paired_noise else None)  # same-seed runs draw the same noise (common random numbers)
     with timer("gen"), accelerator.autocast():
-        seq = sample_responses(cfg, plan, accelerator, run, prompt_rows, noise)
+        seq = generate(accelerator.unwrap_model(actor), run.tokenizer, prompt_ids.to(accelerator.device),
+                       prompt_mask.to(accelerator.device), plan.sampling, all_finished=stop_rule(accelerator),
+                       generator=noise)
     passes = forward_passes(cfg, plan, accelerator, run.models, seq, timer)
     with timer("reward"):
         scored = rewards.score_batch(run.reward, run.tokenizer, seq, prompt_rows)
@@ -114,20 +117,22 @@ class Plan:
     reward_kl: kl.KLEstimator | None  # the KL in the reward (algorithm.kl_penalty), parsed; None without one
     loss_kl: kl.KLEstimator | None  # the KL in the actor's loss (actor.kl_loss_type), parsed; None without one
     old_logprobs_from: OldLogprobsFrom  # where the old log-probs come from (old_logprobs_from)
-    keep_sampler_logprobs: bool  # the decoding loop keeps the sampled tokens' log-probs (rollout.logprobs_from_sampler)
+    sampling: SamplingParams  # how the actor samples; keep_logprobs: rollout.logprobs_from_sampler, decided
     computes_exact_kl: bool  # the rollout computes the exact KL: for the KL panel, or a `full` KL in the reward
 
 
 def plan_step(cfg: Config, mixed_precision: str) -> Plan:
     """The run's Plan, once the config is checked; `mixed_precision` as accelerate names it (no | bf16 | fp16)."""
-    a, ac = cfg.algorithm, cfg.actor
+    a, ac, r = cfg.algorithm, cfg.actor, cfg.rollout
     # rollout.logprobs_from_sampler's None: on for float32 weights without mixed precision, where the sampler's
     # log-probs agree with the recomputed ones to float rounding (docs/training.md, the measured mismatch).
-    keep = cfg.rollout.logprobs_from_sampler
+    keep = r.logprobs_from_sampler
     keep = keep if keep is not None else cfg.model.dtype == "float32" and mixed_precision == "no"
     return Plan(reward_kl=kl.parse_estimator(a.kl_penalty) if a.use_kl_in_reward else None,
                 loss_kl=kl.parse_estimator(ac.kl_loss_type) if ac.use_kl_loss else None,
-                old_logprobs_from=old_logprobs_from(cfg, keep), keep_sampler_logprobs=keep,
+                old_logprobs_from=old_logprobs_from(cfg, keep),
+                sampling=SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p,
+                                        ignore_eos=r.ignore_eos, keep_logprobs=keep),
                 computes_exact_kl=computes_exact_kl(cfg))
 
 
@@ -151,20 +156,7 @@ def old_logprobs_from(cfg: Config, sampler_logprobs: bool = False) -> OldLogprob
     return "sampler" if sampler_logprobs else "forward"
 
 
-# ----------------------------------------------------------------------------- rollout
-
-
-@torch.no_grad()
-def sample_responses(cfg: Config, plan: Plan, accelerator, run: Setup, prompt_rows,
-                     noise: torch.Generator | None) -> Sequences:
-    """One response per prompt row from the actor, at the rollout's settings; the noise from `noise`, or the
-    global random state."""
-    r = cfg.rollout
-    prompt_ids, prompt_mask = left_pad(prompt_rows["input_ids"], run.tokenizer.pad_token_id)
-    params = SamplingParams(cfg.data.max_response_length, r.temperature, r.top_k, r.top_p, ignore_eos=r.ignore_eos)
-    return generate(accelerator.unwrap_model(run.models[0]), run.tokenizer, prompt_ids.to(accelerator.device),
-                    prompt_mask.to(accelerator.device), params, all_finished=stop_rule(accelerator), generator=noise,
-                    return_logprobs=plan.keep_sampler_logprobs)
+# ----------------------------------------------------------------------------- the rollout's forward passes
 
 
 @dataclass

@@ -230,14 +230,14 @@ def test_decoding_takes_one_thread_where_sleeping_threads_would_cost_more(policy
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     prompt_ids, prompt_mask = left_pad([[5, 6, 7], [3, 4], [11, 12, 13, 2], [2]], PAD)
-    tokenizer, params = type("Tok", (), {"pad_token_id": PAD, "eos_token_id": EOS}), SamplingParams(9, ignore_eos=True)
+    tokenizer, params = type("Tok", (), {"pad_token_id": PAD, "eos_token_id": EOS}), SamplingParams(9, ignore_eos=True, keep_logprobs=True)
     seen = []
     hook = model.get_output_embeddings().register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         out = generate(model, tokenizer, prompt_ids, prompt_mask, params,
-                       generator=paired_noise_generator(7, 3, 0, "cpu"), return_logprobs=True)
+                       generator=paired_noise_generator(7, 3, 0, "cpu"))
         assert torch.get_num_threads() == 2  # set back
     finally:
         torch.set_num_threads(before)
@@ -247,7 +247,7 @@ def test_decoding_takes_one_thread_where_sleeping_threads_would_cost_more(policy
     torch.set_num_threads(2)
     try:
         two = generate(model, tokenizer, prompt_ids, prompt_mask, params,
-                       generator=paired_noise_generator(7, 3, 0, "cpu"), return_logprobs=True)
+                       generator=paired_noise_generator(7, 3, 0, "cpu"))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(out.response_ids, two.response_ids)

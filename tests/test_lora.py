@@ -15,9 +15,9 @@ from rlhf import kl, lora
 from rlhf.config import ConfigError, load_config
 from rlhf.core_algos import LossAgg
 from rlhf.models import load_causal_lm
-from rlhf.rollout import SamplingParams, left_pad, paired_noise_generator
+from rlhf.rollout import SamplingParams, generate, left_pad, paired_noise_generator
 from rlhf.setup import load_models, setup
-from rlhf.step import Batch, actor_forward, actor_loss, forward_passes, plan_step, response_logits, sample_responses
+from rlhf.step import Batch, actor_forward, actor_loss, forward_passes, plan_step, response_logits
 from rlhf.tracking import Timer, read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,7 +62,6 @@ def lora_run(artifacts, tmp_path):
     run = setup(cfg, accelerator)
     rows = run.train_set[:4]
     prompt_ids, prompt_mask = left_pad(rows["input_ids"], run.tokenizer.pad_token_id)
-    from rlhf.rollout import generate
 
     seq = generate(run.models[0], run.tokenizer, prompt_ids, prompt_mask, SamplingParams(12),
                    generator=torch.Generator().manual_seed(0))
@@ -111,10 +110,11 @@ def test_every_kl_estimator_in_reward_and_loss_equals_a_separate_reference(lora_
     rows, group_ids = repeat_prompts(rows, 1)
     # Move the adapters first (one PPO step), so that policy and reference differ and every KL is non-zero.
     plan = plan_step(cfg, "no")
-    seq = sample_responses(cfg, plan, accelerator, run, rows, torch.Generator().manual_seed(1))
+    prompts = left_pad(rows["input_ids"], run.tokenizer.pad_token_id)
+    seq = generate(actor, run.tokenizer, *prompts, plan.sampling, generator=torch.Generator().manual_seed(1))
     train_adapters(actor, seq)
     base = load_causal_lm(artifacts.model_dir, "float32").eval().requires_grad_(False)
-    seq = sample_responses(cfg, plan, accelerator, run, rows, torch.Generator().manual_seed(2))
+    seq = generate(actor, run.tokenizer, *prompts, plan.sampling, generator=torch.Generator().manual_seed(2))
     passes = {side: forward_passes(cfg, plan, accelerator, (actor, critic, reference), seq, Timer())
               for side, reference in (("lora", ref), ("separate", base))}
     a, b = passes["lora"], passes["separate"]

@@ -60,13 +60,13 @@ import train
 import rlhf.step
 
 if os.environ.get("RESPONSES_DIR"):  # each rank's sampled response ids, one line per step
-    real_sample = rlhf.step.sample_responses
+    real_sample = rlhf.step.generate
     def sample(*args, **kwargs):
         seq = real_sample(*args, **kwargs)
         with open(os.path.join(os.environ["RESPONSES_DIR"], "responses_rank%s.jsonl" % os.environ["RANK"]), "a") as f:
             f.write(json.dumps(seq.response_ids.tolist()) + "\\n")
         return seq
-    rlhf.step.sample_responses = sample
+    rlhf.step.generate = sample
 changes = []
 def record(event, args):  # Python-level writes (torch.save's C++ writer is not seen)
     if event == "open" and isinstance(args[0], (str, os.PathLike)) and (

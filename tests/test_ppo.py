@@ -170,12 +170,12 @@ def test_old_logprobs_come_from_the_forward_pass_only_where_nothing_else_has_the
         plan = step.plan_step(cfg, "no")  # float32 weights without mixed precision: the sampler's are kept
         assert (plan.old_logprobs_from, plan.computes_exact_kl) == (with_sampler, full), overrides
     default = load_config(None, [])
-    assert step.plan_step(default, "no").keep_sampler_logprobs
-    assert not step.plan_step(default, "bf16").keep_sampler_logprobs
+    assert step.plan_step(default, "no").sampling.keep_logprobs
+    assert not step.plan_step(default, "bf16").sampling.keep_logprobs
     bf16_base = ["model.dtype=bfloat16", "model.lora.rank=4", "model.lora.critic=true"]
-    assert not step.plan_step(load_config(None, bf16_base), "no").keep_sampler_logprobs
-    assert step.plan_step(load_config(None, ["rollout.logprobs_from_sampler=true"]), "bf16").keep_sampler_logprobs
-    assert not step.plan_step(load_config(None, ["rollout.logprobs_from_sampler=false"]), "no").keep_sampler_logprobs
+    assert not step.plan_step(load_config(None, bf16_base), "no").sampling.keep_logprobs
+    assert step.plan_step(load_config(None, ["rollout.logprobs_from_sampler=true"]), "bf16").sampling.keep_logprobs
+    assert not step.plan_step(load_config(None, ["rollout.logprobs_from_sampler=false"]), "no").sampling.keep_logprobs
     plan = step.plan_step(load_config(None, ["actor.use_kl_loss=true", "actor.kl_loss_type=low_var_kl+"]), "no")
     assert plan.loss_kl is kl.parse_estimator("low_var_kl+") and plan.reward_kl is kl.parse_estimator("k1")
     assert step.plan_step(load_config(None, [no_reward]), "no").reward_kl is None
@@ -254,8 +254,8 @@ def rollout(cfg, accelerator, models, tokenizer, rows, group_ids, timer=None, sh
         if short:
             sampled = step.generate
             patch.setattr(step, "generate", lambda *a, **k: ended_early(sampled(*a, **k), tokenizer))
-        run = SimpleNamespace(models=models, tokenizer=tokenizer)
-        seq = step.sample_responses(cfg, plan, accelerator, run, rows, None)
+        prompt_ids, prompt_mask = left_pad(rows["input_ids"], tokenizer.pad_token_id)
+        seq = step.generate(models[0], tokenizer, prompt_ids, prompt_mask, plan.sampling)
     passes = step.forward_passes(cfg, plan, accelerator, models, seq, timer)
     zeros = torch.zeros(seq.response_mask.shape)
     return step.Batch(seq=seq, group_ids=group_ids, old_logprobs=passes.old_logprobs, sampler_logprobs=seq.logprobs,

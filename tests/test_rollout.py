@@ -2,6 +2,7 @@
 as transformers' `generate`, and the log-probs the trainer computes are those of the distribution the
 tokens were sampled from (left padding included)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -231,14 +232,14 @@ def test_every_eos_id_of_the_generation_config_ends_a_response_and_a_sampled_pad
 
 
 def test_sampler_logprobs_are_those_of_the_unfiltered_distribution_at_the_temperature():
-    """return_logprobs: each sampled token's log-prob under softmax(logits / T) before top-k (the same
+    """SamplingParams.keep_logprobs: each sampled token's log-prob under softmax(logits / T) before top-k (the same
     quantity the trainer's forward computes: equal to float rounding, in float32), 0 after the response;
     not the top-k-renormalised log-prob the token was drawn with."""
     model = tiny_model(vocab_size=64)
     prompt_ids, prompt_mask = left_pad([[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]] * 4, PAD)
-    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=5)
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=5, keep_logprobs=True)
     torch.manual_seed(0)
-    batch = generate(model, FakeTokenizer, prompt_ids, prompt_mask, params, return_logprobs=True)
+    batch = generate(model, FakeTokenizer, prompt_ids, prompt_mask, params)
     mask = batch.response_mask.bool()
     assert not mask.all()  # some responses ended at an EOS
     with torch.no_grad():
@@ -248,7 +249,8 @@ def test_sampler_logprobs_are_those_of_the_unfiltered_distribution_at_the_temper
     top5 = (logits / 0.7).topk(5, dim=-1).values.logsumexp(-1)  # the normaliser over the top-k alone
     renormalised = logits.gather(-1, batch.response_ids[..., None])[..., 0] / 0.7 - top5
     assert (batch.logprobs[mask] < renormalised[mask] - 1e-3).all()
-    assert generate(model, FakeTokenizer, prompt_ids, prompt_mask, params).logprobs is None
+    unkept = dataclasses.replace(params, keep_logprobs=False)
+    assert generate(model, FakeTokenizer, prompt_ids, prompt_mask, unkept).logprobs is None
 
 
 def test_logprob_mismatch_is_k3_over_valid_tokens_and_the_largest_difference():

@@ -234,7 +234,7 @@ def test_paired_noise_seeds_each_steps_sampling_by_seed_step_and_process(artifac
         calls.append((seed, step, process_index))
         return paired_noise_generator(seed, step, process_index, device)
 
-    real_sample = rlhf.step.sample_responses
+    real_sample = rlhf.step.generate
 
     def sample(*args, **kwargs):
         seq = real_sample(*args, **kwargs)
@@ -242,7 +242,7 @@ def test_paired_noise_seeds_each_steps_sampling_by_seed_step_and_process(artifac
         return seq
 
     monkeypatch.setattr(rlhf.step, "paired_noise_generator", recording)
-    monkeypatch.setattr(rlhf.step, "sample_responses", sample)
+    monkeypatch.setattr(rlhf.step, "generate", sample)
     run(artifacts, str(tmp_path / "a"), f"rollout.paired_noise={str(paired).lower()}", "trainer.logger=none",
         "trainer.seed=7")
     assert calls == ([(7, 1, 0), (7, 2, 0)] if paired else [])
