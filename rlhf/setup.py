@@ -8,6 +8,7 @@ order, KL controller, reward.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -210,9 +211,13 @@ def build_lr_schedulers(cfg: Config, actor_opt, critic_opt):
     def schedule(opt, learner):
         if opt is None:
             return None
-        kind, warmup, floor = learner.lr_scheduler_type, learner.lr_warmup_steps, learner.min_lr_ratio
-        # LambdaLR calls the function with the number of steps taken so far: 0 for PPO step 1.
-        return torch.optim.lr_scheduler.LambdaLR(getattr(opt, "optimizer", opt),
-                                                 lambda done: lr_factor(done + 1, total, kind, warmup, floor))
+        return torch.optim.lr_scheduler.LambdaLR(getattr(opt, "optimizer", opt), functools.partial(
+            lr_factor_after, total_steps=total, scheduler_type=learner.lr_scheduler_type,
+            warmup_steps=learner.lr_warmup_steps, min_lr_ratio=learner.min_lr_ratio))
 
     return schedule(actor_opt, cfg.actor), schedule(critic_opt, cfg.critic)
+
+
+def lr_factor_after(done: int, **settings) -> float:
+    """lr_factor of the PPO step after `done` steps: what LambdaLR calls, with the steps taken (0 for step 1)."""
+    return lr_factor(done + 1, **settings)

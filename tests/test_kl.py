@@ -895,6 +895,9 @@ def test_kl_panel_matches_masked_means():
     lp2[~keep], ref2[~keep] = float("nan"), float("inf")
     assert kl_panel(lp2, ref2, mask) == panel
     assert kl_panel(lp, ref, torch.zeros(4, 16)) == {f"kl/{n}": 0.0 for n in PANEL_ESTIMATORS}
+    for args in ((lp, ref, mask[:, :8]), (lp, ref[:, :8], mask)):  # a broadcast would hide the mistake
+        with pytest.raises(ValueError, match="differ"):
+            kl_panel(*args)
 
 
 @pytest.mark.parametrize("name, expected", [("k1", "k1"), ("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"),

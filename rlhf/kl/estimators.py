@@ -179,10 +179,12 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str,
 @torch.no_grad()
 def kl_panel(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Token mean of each PANEL_ESTIMATORS estimate over mask == 1: (B, T) x 3 -> {"kl/k1", "kl/k2", "kl/k3",
-    "kl/abs"}; the trainer adds "kl/full" (full_kl)."""
-    if mask.shape != logprob.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} and logprob {tuple(logprob.shape)} differ")
-    return {f"kl/{name}": masked_mean(kl_penalty(logprob, ref_logprob, name), mask).item() for name in PANEL_ESTIMATORS}
+    "kl/abs"}, each kl_penalty's value; the trainer adds "kl/full" (full_kl)."""
+    if not mask.shape == logprob.shape == ref_logprob.shape:
+        raise ValueError(f"mask {tuple(mask.shape)}, logprob {tuple(logprob.shape)} and ref_logprob "
+                         f"{tuple(ref_logprob.shape)} differ")
+    logprob, ref_logprob = upcast(logprob), upcast(ref_logprob)
+    return {f"kl/{name}": masked_mean(_ESTIMATORS[name](logprob, ref_logprob), mask).item() for name in PANEL_ESTIMATORS}
 
 
 # ----------------------------------------------------------------- questions about a name (the config's checks)
