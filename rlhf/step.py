@@ -117,7 +117,7 @@ class Plan:
     reward_kl: kl.KLEstimator | None  # the KL in the reward (algorithm.kl_penalty), parsed; None without one
     loss_kl: kl.KLEstimator | None  # the KL in the actor's loss (actor.kl_loss_type), parsed; None without one
     old_logprobs_from: OldLogprobsFrom  # where the old log-probs come from (old_logprobs_from)
-    sampling: SamplingParams  # how the actor samples; keep_logprobs: rollout.logprobs_from_sampler, decided
+    sampling: SamplingParams  # the rollout's settings; keep_logprobs is rollout.logprobs_from_sampler, decided
     computes_exact_kl: bool  # the rollout computes the exact KL: for the KL panel, or a `full` KL in the reward
 
 
@@ -238,7 +238,7 @@ class Batch:
     seq: Sequences  # prompts, responses, their masks and positions (rlhf.rollout)
     group_ids: torch.Tensor  # (B,) the index of each response's prompt on this process
     old_logprobs: torch.Tensor | None  # log pi_old: the forward pass's or the sampler's; None: the update's own (Plan)
-    sampler_logprobs: torch.Tensor | None  # the decoding loop's, where kept (Plan.keep_sampler_logprobs)
+    sampler_logprobs: torch.Tensor | None  # the decoding loop's, where kept (Plan.sampling.keep_logprobs)
     ref_logprobs: torch.Tensor | None  # log pi_ref; None without a reference model
     exact_kl: torch.Tensor | None  # exact KL(pi_old || pi_ref) per token: the panel, a `full` reward
     exact_forward_kl: torch.Tensor | None  # exact KL(pi_ref || pi_old) per token, for the panel
