@@ -284,8 +284,8 @@ def build_datasets(task: str, cfg, tokenizer):
     prompt = [tokenizer.convert_tokens_to_ids(PROMPT_TOKEN)]
 
     def rows(n):
-        return datasets.Dataset.from_dict({"input_ids": [prompt] * n, "ground_truth": [""] * n,
-                                           "rewards": [table] * n})
+        return datasets.Dataset.from_dict({"input_ids": [prompt] * n, "prompt": [PROMPT_TOKEN] * n,
+                                           "ground_truth": [""] * n, "rewards": [table] * n})
 
     return rows(cfg.num_prompts), rows(1)
 

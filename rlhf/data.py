@@ -164,10 +164,11 @@ def load_gsm8k(source: str, split: str, subset: str = "main",
 
 def tokenize_prompts(dataset: datasets.Dataset, tokenizer, max_prompt_length: int, instruction: str = INSTRUCTION,
                      system_prompt: str | None = None) -> tuple[datasets.Dataset, int]:
-    """Prompt token ids for each row: returns (Dataset with "input_ids" (list[int]) and "ground_truth",
-    num_filtered). Prompts longer than `max_prompt_length` tokens are dropped and counted, never cut: a
-    truncated question is a different problem with the same reference answer. The prompts are build_prompt's
-    with `instruction` and `system_prompt` (data.instruction, data.system_prompt).
+    """Prompt token ids for each row: returns (Dataset with "input_ids" (list[int]), "prompt" (the text they encode,
+    which the reward function receives) and "ground_truth", num_filtered). Prompts longer than `max_prompt_length`
+    tokens are dropped and counted, never cut: a truncated question is a different problem with the same reference
+    answer. The prompts are build_prompt's with `instruction` and `system_prompt` (data.instruction,
+    data.system_prompt).
     """
     import datasets
 
@@ -180,6 +181,7 @@ def tokenize_prompts(dataset: datasets.Dataset, tokenizer, max_prompt_length: in
     ground_truth = dataset["ground_truth"]
     out = datasets.Dataset.from_dict({
         "input_ids": [list(input_ids[i]) for i in keep],
+        "prompt": [prompts[i] for i in keep],
         "ground_truth": [ground_truth[i] for i in keep],
     })
     return out, len(prompts) - len(keep)

@@ -6,8 +6,9 @@ the reference loop, a forward pass of the model per token (`reference_decode`).
 
 `sample_tokens`, which rlhf.rollout.generate calls, runs `decode` for the models `supports` accepts (Qwen2 and
 Llama causal LMs, the embedded default's and the recipes' kind, unsharded, with transformers' SDPA attention), and
-`reference_decode` for everything else (FSDP2-sharded models, other architectures). The two give the same tokens and the same log-probs
-under the same noise (tests/test_decode.py); what differs is how a token's forward pass is run:
+`reference_decode` for everything else (FSDP2-sharded models, other architectures). The two give the same tokens
+and the same log-probs under the same noise (tests/test_decode.py); what differs is how a token's forward pass is
+run:
 
 - the prompts' forward pass is the model's own (so the first token is computed exactly as before); its keys and
   values are copied once into a static cache of (B, KV heads, prompt + max_new_tokens, head dim) per layer, in

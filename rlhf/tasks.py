@@ -28,8 +28,8 @@ ResponseMetric = Callable[[Sequence[str], Sequence[int]], Sequence[float]]
 
 @dataclass
 class TaskData:
-    """What a task loads for a run: the tokenizer, the prompt rows (datasets.Dataset with input_ids and the
-    task's prompt fields) and the directory or hub name the actor, critic and reference load from."""
+    """What a task loads for a run: the tokenizer, the prompt rows (datasets.Dataset with input_ids, prompt (their
+    text) and the task's prompt fields) and the directory or hub name the actor, critic and reference load from."""
 
     tokenizer: object
     train_set: object

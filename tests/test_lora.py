@@ -138,8 +138,8 @@ def test_every_kl_estimator_in_reward_and_loss_equals_a_separate_reference(lora_
             results = {}
             for side, reference in (("lora", ref), ("separate", base)):
                 out = actor_forward(cfg, loss_plan, (actor, critic, reference), seq)
-                loss, metrics = actor_loss(cfg.actor, loss_plan.loss_kl, micro, out,
-                                           LossAgg(cfg.actor.loss_agg_mode, num_tokens, num_seqs=4, norm_len=mask.shape[1]))
+                agg = LossAgg(cfg.actor.loss_agg_mode, num_tokens, num_seqs=4, norm_len=mask.shape[1])
+                loss, metrics = actor_loss(cfg.actor, loss_plan.loss_kl, micro, out, agg)
                 loss.backward()
                 grads = [p.grad.clone() for p in actor.parameters() if p.requires_grad]
                 actor.zero_grad()

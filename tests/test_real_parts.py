@@ -159,7 +159,7 @@ def test_decode_then_score_round_trip(qwen):
     assert mask.sum(dim=1).tolist() == [len(row) for row in rows]  # up to and including EOS
     prompts = torch.zeros(len(responses), 1, dtype=torch.long)
     batch = Sequences.build(prompts, torch.ones_like(prompts), response_ids, mask)
-    rows = {"input_ids": [[0]] * len(responses), "ground_truth": ground_truths}
+    rows = {"input_ids": [[0]] * len(responses), "prompt": [""] * len(responses), "ground_truth": ground_truths}
     scores = score_batch(load_reward(load_config()), qwen, batch, rows).scores
     assert scores.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
     assert qwen.batch_decode(response_ids, skip_special_tokens=True)[0] == NATALIA_ANSWER

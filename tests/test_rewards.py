@@ -94,7 +94,8 @@ def read_metrics_of(cfg):
 
 def test_score_batch_decodes_the_batch_as_the_reward_sees_it(artifacts):
     """rewards.score_batch on a batch made by hand: responses padded after their stop token are given to the
-    function without the padding, the stop token kept; a response cut at the length limit keeps all its tokens."""
+    function without the padding, the stop token kept; a response cut at the length limit keeps all its tokens; the
+    prompts are the rows' text, not their ids decoded."""
     tokenizer = load_tokenizer(artifacts.model_dir)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     seen = {}
@@ -109,7 +110,8 @@ def test_score_batch_decodes_the_batch_as_the_reward_sees_it(artifacts):
     response_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in answers])
     prompt_ids = torch.tensor([tokenizer.encode("q1"), tokenizer.encode("q2")])
     batch = Sequences.build(prompt_ids, torch.ones_like(prompt_ids), response_ids, response_mask)
-    rows = {"input_ids": prompt_ids.tolist(), "ground_truth": ["12", "7"], "source": ["a", "b"]}
+    rows = {"input_ids": prompt_ids.tolist(), "prompt": ["the first question", "the second"],  # nothing decodes them
+            "ground_truth": ["12", "7"], "source": ["a", "b"]}
     reward_fn = rewards.RewardFn(record, "test:record")
     scored = rewards.score_batch(reward_fn, tokenizer, batch, rows)
     scores = scored.scores
@@ -119,7 +121,7 @@ def test_score_batch_decodes_the_batch_as_the_reward_sees_it(artifacts):
     scored = rewards.score_batch(weighted, tokenizer, batch, rows)
     assert scored.scores.tolist() == [3 * (len(answers[0]) + 0.5), 3 * (len(answers[1]) + 0.5)]
     assert sorted(scored.parts) == ["reward/again", "reward/record"]  # several: each part logged too
-    assert seen == {"prompts": ["q1", "q2"], "completions": ["#### 12", "3 + 4 = 7"], "completion_ids": answers,
+    assert seen == {"prompts": ["the first question", "the second"], "completions": ["#### 12", "3 + 4 = 7"], "completion_ids": answers,
                     "ground_truth": ["12", "7"], "source": ["a", "b"]}
 
 

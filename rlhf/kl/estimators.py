@@ -184,7 +184,8 @@ def kl_panel(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tenso
         raise ValueError(f"mask {tuple(mask.shape)}, logprob {tuple(logprob.shape)} and ref_logprob "
                          f"{tuple(ref_logprob.shape)} differ")
     logprob, ref_logprob = upcast(logprob), upcast(ref_logprob)
-    return {f"kl/{name}": masked_mean(_ESTIMATORS[name](logprob, ref_logprob), mask).item() for name in PANEL_ESTIMATORS}
+    return {f"kl/{name}": masked_mean(_ESTIMATORS[name](logprob, ref_logprob), mask).item()
+            for name in PANEL_ESTIMATORS}
 
 
 # ----------------------------------------------------------------- questions about a name (the config's checks)

@@ -8,13 +8,13 @@ batch of B responses the trainer calls
 
     fn(prompts=[...], completions=[...], completion_ids=[[...], ...], **fields) -> B numbers
 
-- `prompts`: B str, each response's prompt as the model saw it, decoded with its special tokens (so a chat
-  template shows);
+- `prompts`: B str, each response's prompt as the model saw it: the text its token ids encode, with the chat
+  template (the prompt rows' `prompt` column, made once when the data is tokenized);
 - `completions`: B str, the responses decoded without special tokens (the stop token and padding dropped);
 - `completion_ids`: B lists of int, each response's tokens without padding, up to and including its stop
   token (a response cut at data.max_response_length has none), the tokens the trainer's response_mask covers;
-- `**fields`: every other column of the prompt rows, as a list with one entry per response: `ground_truth`
-  (the reference number) for the GSM8K data the trainer loads (PROMPT_FIELDS).
+- `**fields`: every other column of the prompt rows (besides `input_ids` and `prompt`), as a list with one entry
+  per response: `ground_truth` (the reference number) for the GSM8K data the trainer loads (PROMPT_FIELDS).
 
 It returns one real number per response (a list, tuple, 1-D tensor or array; bools count as 0 and 1), which
 is the response's score: its reward on the last token (rlhf.core_algos.token_rewards), `critic/score/mean`. Every
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 GSM8K_REWARD = "rlhf.rewards.gsm8k:reward_func"
-PROMPT_FIELDS = ("ground_truth",)  # the columns of the prompt rows (rlhf.data.tokenize_prompts) besides input_ids
+PROMPT_FIELDS = ("ground_truth",)  # the prompt rows' columns (rlhf.data.tokenize_prompts) besides input_ids, prompt
 _CALL = "fn(prompts=..., completions=..., completion_ids=..., **fields)"
 
 
@@ -189,12 +189,12 @@ class Scored:
 
 def score_batch(reward_fn: RewardFn | WeightedReward, tokenizer, seq, rows) -> Scored:
     """The configured reward's verdict on a batch's responses (`seq`, rlhf.rollout.Sequences) to their prompt rows
-    (`rows`, one per response: input_ids and the task's fields), called as the module says."""
+    (`rows`, one per response: input_ids, prompt and the task's fields), called as the module says."""
     lengths = seq.response_mask.sum(dim=1).tolist()
     completion_ids = [ids[:length] for ids, length in zip(seq.response_ids.tolist(), lengths)]
-    prompts = tokenizer.batch_decode(rows["input_ids"])
-    fields = {key: values for key, values in rows.items() if key != "input_ids"}
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    prompts = rows["prompt"]
+    fields = {key: values for key, values in rows.items() if key not in ("input_ids", "prompt")}
 
     def tensor(values):
         return torch.tensor(values, dtype=torch.float32, device=seq.response_ids.device)
