@@ -39,6 +39,8 @@ from rlhf.checkpoint import (BadStepsError, StopOnSignal, TrainerState, adapters
 from rlhf.labels import kl_tags
 from rlhf.config import Config, ConfigError, check_batch_sizes, load_config, to_dict, warnings_for
 from rlhf.processes import launch_warnings
+from rlhf.rollout import stop_token_ids
+from rlhf.samples import sample_rows
 from rlhf.setup import setup, shard_on_cpu
 from rlhf.step import plan_step, train_step
 from rlhf.tasks import get_task
@@ -98,6 +100,7 @@ def main(cfg: Config) -> dict[str, float]:
         return path
 
     total, symptoms = cfg.trainer.total_steps, Symptoms()
+    stop_ids = stop_token_ids(accelerator.unwrap_model(run.models[0]), run.tokenizer)  # for the samples' `cut`
     metrics: dict[str, float] = {}
     try:
         if state.step == 0:
@@ -115,7 +118,10 @@ def main(cfg: Config) -> dict[str, float]:
                 timer = Timer()
                 val_samples = []
                 with timer("step"):
-                    result = train_step(cfg, plan, accelerator, run, step, timer, num_train_samples(cfg, step))
+                    result = train_step(cfg, plan, accelerator, run, step, timer)
+                    num_samples = num_train_samples(cfg, step)
+                    train_samples = (sample_rows(run.tokenizer, result.seq, result.scored, stop_ids, num_samples)
+                                     if num_samples else [])
                     metrics, skipped = result.metrics, result.skipped
                     state.bad_steps = state.bad_steps + 1 if skipped else 0
                     if should_evaluate(step, total, cfg.trainer.test_freq):
@@ -131,7 +137,7 @@ def main(cfg: Config) -> dict[str, float]:
                 if torch.accelerator.is_available():  # verl's name; the peak of this process's device so far
                     metrics["perf/max_memory_allocated_gb"] = torch.accelerator.max_memory_allocated() / 2**30
                 logger.log(metrics, step=step)
-                logger.log_samples("train", result.samples, step)
+                logger.log_samples("train", train_samples, step)
                 logger.log_samples("val", val_samples, step)
                 warn(accelerator, symptoms.check(step, metrics))
                 progress.set_postfix(score=f"{metrics['critic/score/mean']:.2f}", kl=f"{metrics.get('kl/full', 0):.4f}")

@@ -26,7 +26,6 @@ from rlhf import core_algos, kl, rewards
 from rlhf.processes import mean_over_processes, process_share, stop_rule, sum_over_processes, token_weighted_means
 from rlhf.rollout import (SamplingParams, Sequences, cut_responses, generate, left_pad, paired_noise_generator,
                           repeat_prompts, stop_token_ids)
-from rlhf.samples import sample_rows
 
 if TYPE_CHECKING:  # annotations only
     from rlhf.config import Config
@@ -41,11 +40,11 @@ class StepResult:
     metrics: dict[str, float]  # averaged over processes
     skipped: int  # optimizer updates skipped as non-finite
     num_tokens: float  # prompt and response tokens of all processes
-    samples: list[dict]  # the batch's first responses as rows (rlhf.samples)
+    seq: Sequences  # this process's batch, and its scores: the run logs samples of them (rlhf.samples)
+    scored: rewards.Scored
 
 
-def train_step(cfg: Config, plan: Plan, accelerator, run: Setup, step: int, timer: Timer,
-               num_samples: int = 0) -> StepResult:
+def train_step(cfg: Config, plan: Plan, accelerator, run: Setup, step: int, timer: Timer) -> StepResult:
     """One PPO step on this process's share of the global batch (`plan` is plan_step(cfg, ...)); `step` counts
     the run's steps from 1 (it seeds the sampling noise and the mini-batches)."""
     a, (actor, _, _) = cfg.algorithm, run.models
@@ -99,9 +98,8 @@ def train_step(cfg: Config, plan: Plan, accelerator, run: Setup, step: int, time
     metrics.update(learned)
     stop_ids = stop_token_ids(accelerator.unwrap_model(actor), run.tokenizer)
     metrics.update(batch_metrics(cfg, plan, accelerator, batch, scored, stop_ids))
-    samples = sample_rows(run.tokenizer, seq, scored, stop_ids, num_samples) if num_samples else []
     num_tokens = accelerator.reduce(seq.attention_mask.sum().float(), "sum").item()
-    return StepResult(metrics=metrics, skipped=skipped, num_tokens=num_tokens, samples=samples)
+    return StepResult(metrics=metrics, skipped=skipped, num_tokens=num_tokens, seq=seq, scored=scored)
 
 
 # ----------------------------------------------------------------------------- the plan: what the config decides once

@@ -33,6 +33,7 @@ from rlhf.config import ActorConfig, load_config
 from rlhf.rewards import load_reward, score_batch
 from rlhf.rewards.gsm8k import compute_score
 from rlhf.rollout import SamplingParams, Sequences, generate, left_pad, repeat_prompts, response_mask_from_ids
+from rlhf.samples import sample_rows
 from rlhf.tracking import Timer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -701,7 +702,7 @@ def test_optimizers_take_each_models_settings(setup_run):
 # ----------------------------------------------------------------------------- whole steps
 
 
-def spied_step(cfg, monkeypatch, num_samples=0):
+def spied_step(cfg, monkeypatch):
     """One train_step on a fresh run: (the step's result, its rollout batch, its scores, the KL controller's
     value before the step, the run)."""
     accelerator = Accelerator(cpu=True)
@@ -715,7 +716,7 @@ def spied_step(cfg, monkeypatch, num_samples=0):
     monkeypatch.setattr(step, "ppo_update", update)
     monkeypatch.setattr(step.rewards, "score_batch", lambda *a, **k: seen.setdefault("scored", original_score(*a, **k)))
     coef = run.kl_ctrl.value
-    result = step.train_step(cfg, step.plan_step(cfg, "no"), accelerator, run, 1, Timer(), num_samples)
+    result = step.train_step(cfg, step.plan_step(cfg, "no"), accelerator, run, 1, Timer())
     return result, seen["batch"], seen["scored"], coef, run
 
 
@@ -724,7 +725,7 @@ def test_train_step_samples_each_prompts_group_on_one_process(artifacts, tmp_pat
     logged samples pair each response with its own prompt (the repeated rows, not the batch's prompts)."""
     cfg = load_config(None, tiny_overrides(artifacts, str(tmp_path), "rollout.n=3", "algorithm.adv_estimator=rloo",
                                            "actor.ppo_micro_batch_size=3", "trainer.logger=none"))
-    result, batch, scored, _, run = spied_step(cfg, monkeypatch, num_samples=6)
+    result, batch, scored, _, run = spied_step(cfg, monkeypatch)
     assert batch.group_ids.tolist() == [g for g in range(8) for _ in range(3)]
     prompts = batch.seq.prompt_ids.reshape(8, 3, -1)
     assert (prompts == prompts[:, :1]).all()  # the three responses of a group answer the same prompt
@@ -736,9 +737,9 @@ def test_train_step_samples_each_prompts_group_on_one_process(artifacts, tmp_pat
     assert "critic/vf_explained_var" not in result.metrics
     assert 0.0 <= result.metrics["critic/groups_with_equal_scores"] <= 1.0
     texts = [run.tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(batch.seq.prompt_ids, batch.seq.prompt_mask)]
-    assert [sample["prompt"] for sample in result.samples] == texts[:6]
-    assert [s["prompt"] for s in result.samples[:3]] == [result.samples[0]["prompt"]] * 3 != \
-        [s["prompt"] for s in result.samples[3:]]
+    samples = sample_rows(run.tokenizer, result.seq, result.scored, run.tokenizer.eos_token_id, 6)
+    assert [sample["prompt"] for sample in samples] == texts[:6]
+    assert [s["prompt"] for s in samples[:3]] == [samples[0]["prompt"]] * 3 != [s["prompt"] for s in samples[3:]]
 
 
 def test_the_adaptive_coefficient_follows_the_steps_reward_kl(artifacts, tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """docs/reading.md, the reading order of one PPO step, against what runs: one step of the trainer with the
-default config (its plan, then a step that logs samples, as every trainer.log_samples_freq-th does) and ppo.py's
-loop run under sys.setprofile, which records every project function entered (rlhf/ and ppo.py), in order. What a
-reader reads is counted from that record, and the page and the README quote it:
+default config (its plan, then the step) and ppo.py's loop run under sys.setprofile, which records every project
+function entered (rlhf/ and ppo.py), in order. What a reader reads is counted from that record, and the page and
+the README quote it:
 
 - lines: the non-blank lines of the definitions that ran (a function, or a class's method, whole: its decorators,
   docstring and comments included; a function nested in one, a lambda or a comprehension is part of it), of the
@@ -181,18 +181,18 @@ def read_page(path: str) -> str:
 @pytest.fixture(scope="module")
 def step_trace(artifacts, tmp_path_factory, one_thread):
     """One default step, traced: the plan (what the config decides once; train.py makes it before the first
-    step), then train_step on a fresh run, as a step that logs samples. The records the step is handed (the plan
-    and the run, not the config's schema) count as read."""
+    step), then train_step on a fresh run. The records the step is handed (the plan and the run, not the config's
+    schema) count as read."""
     cfg = load_config(None, tiny_overrides(artifacts, str(tmp_path_factory.mktemp("reading")), "trainer.logger=none"))
     accelerator = Accelerator(cpu=True)
     run, timer = rlhf.setup.setup(cfg, accelerator), Timer()
 
     def one_step():
         plan = step.plan_step(cfg, accelerator.mixed_precision)
-        return step.train_step(cfg, plan, accelerator, run, 1, timer, cfg.trainer.log_samples)
+        return step.train_step(cfg, plan, accelerator, run, 1, timer)
 
     result, record = trace(one_step)
-    assert result.samples and "kl/full" in result.metrics  # the default path: samples logged, the KL panel on
+    assert "kl/full" in result.metrics  # the default path: the KL panel on
     record.classes |= {("rlhf/step.py", "Plan"), ("rlhf/setup.py", "Setup")}
     return record
 
@@ -220,7 +220,7 @@ def test_the_trace_is_the_default_path(step_trace):
     for expected in [("rlhf/decode.py", "decode"), ("rlhf/kl/exact.py", "full_kl"),
                      ("rlhf/rewards/gsm8k.py", "compute_score"), ("rlhf/core_algos.py", "compute_gae"),
                      ("rlhf/core_algos.py", "policy_loss"), ("rlhf/core_algos.py", "value_loss"),
-                     ("rlhf/kl/estimators.py", "kl_panel"), ("rlhf/samples.py", "sample_rows")]:
+                     ("rlhf/kl/estimators.py", "kl_panel")]:
         assert expected in ran, expected
     assert ("rlhf/decode.py", "reference_decode") not in ran
     assert ("rlhf/rollout.py", "Sequences") in step_trace.classes  # a record built: its fields are read
