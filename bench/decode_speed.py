@@ -96,7 +96,7 @@ def run(model, prompt_ids, prompt_mask, params, autocast: bool, reference: bool,
             how = decode.Decoding(params.max_new_tokens, pick, params.temperature, None if compiled else stop_ids, 0,
                                   generator)
             tokens, _ = decode.decode(model, prompt_ids, prompt_mask, how,
-                                      step_type=decode.CompiledStep if compiled else decode.Step)
+                                      step_type=decode.CompiledTokenStep if compiled else decode.TokenStep)
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, tokens

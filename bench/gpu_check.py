@@ -35,7 +35,7 @@ reserved peaks, and the device-level peak, polled: what the CUDA context and the
   and the KV cache read once a token); the reference loop at one size;
 - memory_sweep: the PPO recipe's update on 32 of its responses at each actor.ppo_micro_batch_size of 1-32, with
   gradient checkpointing on and off: peak memory against the model (an out-of-memory is recorded, not fatal);
-- compiled_decoding: the compiled one-token step (`decode.decode(..., step_type=decode.CompiledStep)`, a CUDA
+- compiled_decoding: the compiled one-token step (`decode.decode(..., step_type=decode.CompiledTokenStep)`, a CUDA
   graph) at batch 256: its compile time, its per-token time beside the eager loop's, its greedy tokens against
   the eager ones;
 - checkpoint: the PPO recipe's checkpoint (float32 actor and critic, AdamW moments) written once: seconds, GiB;
@@ -778,7 +778,8 @@ def compiled_decoding(result, args, model_dir: str, tokenizer, rows: Rows, repor
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
             how = decode.Decoding(new_tokens, lambda logits: next_token(logits, params), 1.0, None,
                                   tokenizer.pad_token_id)
-            out = decode.decode(model, ids, mask, how, step_type=decode.CompiledStep if compiled else decode.Step)[0]
+            token_step = decode.CompiledTokenStep if compiled else decode.TokenStep
+            out = decode.decode(model, ids, mask, how, step_type=token_step)[0]
         sync(device)
         return out, time.perf_counter() - start
 

@@ -30,9 +30,9 @@ run:
 `cache_kept(model)`, around both loops in `sample_tokens`, keeps layers that checkpoint their activations
 from dropping the cache while decoding (transformers before 5.2x drops it in such layers even without gradients).
 
-`step_type=CompiledStep` runs the one-token step through `torch.compile` over full-length (static-shape) attention
-with a mask; on CUDA in "reduce-overhead" mode, which replays it as a CUDA graph. Its tokens agree with the eager
-step's up to float rounding, not bit for bit (the attention reads the whole cache). The trainer uses the eager
+`step_type=CompiledTokenStep` runs the one-token step through `torch.compile` over full-length (static-shape)
+attention with a mask; on CUDA in "reduce-overhead" mode, which replays it as a CUDA graph. Its tokens agree with the
+eager step's up to float rounding, not bit for bit (the attention reads the whole cache). The trainer uses the eager
 step; bench/gpu_check.py measures both on a GPU, and bench/decode_speed.py on the CPU.
 """
 
@@ -50,13 +50,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from rlhf.core_algos import logprobs_from_logits
 
-ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")  # the decoder-layer structure `Step` runs
+ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")  # the decoder-layer structure `TokenStep` runs
 STOP_CHECK_EVERY = 8  # tokens between two host reads of "has every sequence stopped?"
 
 
 def unsupported(model) -> str | None:
     """Why `decode` cannot run `model`, None when it can. Sharded weights are gathered by each layer's forward, which
-    Step bypasses; another attention implementation than SDPA would not give the reference's numbers."""
+    TokenStep bypasses; another attention implementation than SDPA would not give the reference's numbers."""
     if type(model).__name__ not in ARCHITECTURES:
         return f"{type(model).__name__} is not one of {', '.join(ARCHITECTURES)}"
     if any(isinstance(m, FSDPModule) for m in model.modules()):
@@ -181,10 +181,10 @@ class Decoding:
 
 
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, how: Decoding,
-           step_type: type[Step] | None = None):
+           step_type: type[TokenStep] | None = None):
     """(B, how.max_new_tokens) tokens, pad after a sequence's stop token and for every sequence once all have
     stopped; with `how.keep_logprobs` their float32 log-probs (0 after the stop of all), else None. `step_type`
-    runs each later token: Step (None), or CompiledStep (the benchmarks')."""
+    runs each later token: TokenStep (None), or CompiledTokenStep (the benchmarks')."""
     batch_size, prompt_width = prompt_ids.shape
     device = prompt_ids.device
     position_ids = position_ids_from_mask(prompt_mask)
@@ -193,7 +193,7 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, how: Deco
     # Row i attends to its real prompt tokens and everything sampled.
     attend = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch_size, how.max_new_tokens, dtype=torch.bool)],
                        dim=1)
-    one_token = (step_type or Step)(model, cache, attend[:, None, None, :])  # (B, 1, 1, P + R)
+    one_token = (step_type or TokenStep)(model, cache, attend[:, None, None, :])  # (B, 1, 1, P + R)
     last_position = position_ids[:, -1]
 
     tokens = torch.full((batch_size, how.max_new_tokens), how.pad_token_id, dtype=torch.long, device=device)
@@ -254,7 +254,7 @@ class StaticCache:
             values[rows, :, :prompt_width] = layer.values
 
 
-class Step:
+class TokenStep:
     """One token's forward pass over the static cache: (B,) tokens, (B,) positions, the cache slot -> (B, V)
     logits. The layers' own modules, in transformers' order (Qwen2DecoderLayer.forward, Qwen2Attention.forward,
     sdpa_attention_forward). `attend` (B, 1, 1, P + R): which cache slots each row attends to."""
@@ -305,10 +305,10 @@ class Step:
 # ----------------------------------------------------------------------------- off the trainer's path
 
 
-class CompiledStep(Step):
-    """Step through `torch.compile` over full-length (static-shape) attention with a mask; on CUDA in
+class CompiledTokenStep(TokenStep):
+    """TokenStep through `torch.compile` over full-length (static-shape) attention with a mask; on CUDA in
     "reduce-overhead" mode, which replays it as a CUDA graph. For the benchmarks (bench/gpu_check.py,
-    bench/decode_speed.py): the trainer decodes with Step."""
+    bench/decode_speed.py): the trainer decodes with TokenStep."""
 
     def __init__(self, model, cache: StaticCache, attend: torch.Tensor):
         super().__init__(model, cache, attend)

@@ -28,8 +28,9 @@ ResponseMetric = Callable[[Sequence[str], Sequence[int]], Sequence[float]]
 
 @dataclass
 class TaskData:
-    """What a task loads for a run: the tokenizer, the prompt rows (datasets.Dataset with input_ids, prompt (their
-    text) and the task's prompt fields) and the directory or hub name the actor, critic and reference load from."""
+    """What a task loads for a run: the tokenizer, the prompt rows (datasets.Dataset with input_ids, the task's
+    prompt fields and, optionally, prompt: their text, which the reward function receives) and the directory or
+    hub name the actor, critic and reference load from."""
 
     tokenizer: object
     train_set: object

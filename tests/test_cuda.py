@@ -99,5 +99,5 @@ def test_compiled_step_agrees_with_the_eager_one_on_cuda():
         tokens, _ = sample(model, prompt_ids, prompt_mask, params, (EOS,), PAD, reference=True)
         for _ in range(2):  # the second call replays what the first compiled
             how = decode.Decoding(24, lambda logits: next_token(logits, params), 1.0, (EOS,), PAD)
-            compiled, _ = decode.decode(model, prompt_ids, prompt_mask, how, step_type=decode.CompiledStep)
+            compiled, _ = decode.decode(model, prompt_ids, prompt_mask, how, step_type=decode.CompiledTokenStep)
             assert torch.equal(tokens, compiled)

@@ -148,7 +148,8 @@ def test_compiled_step_agrees_with_the_reference_loop():
         tokens, logprobs = sample(model, prompt_ids, prompt_mask, params, (EOS,), PAD, keep_logprobs=True,
                                   reference=True)
         how = decode.Decoding(20, lambda l: next_token(l, params), 1.0, (EOS,), PAD, keep_logprobs=True)
-        compiled, compiled_logprobs = decode.decode(model, prompt_ids, prompt_mask, how, step_type=decode.CompiledStep)
+        compiled, compiled_logprobs = decode.decode(model, prompt_ids, prompt_mask, how,
+                                                    step_type=decode.CompiledTokenStep)
     assert torch.equal(tokens, compiled)
     assert torch.allclose(logprobs, compiled_logprobs, atol=1e-5)
 
@@ -203,7 +204,7 @@ def test_compiled_step_under_autocast_takes_either_cache_dtype(values, monkeypat
         for compiled in (False, True):
             how = decode.Decoding(12, lambda l: next_token(l, params), 1.0, (EOS,), PAD, keep_logprobs=True)
             runs[compiled] = decode.decode(model, prompt_ids, prompt_mask, how,
-                                           step_type=decode.CompiledStep if compiled else decode.Step)
+                                           step_type=decode.CompiledTokenStep if compiled else decode.TokenStep)
     assert torch.equal(runs[False][0], runs[True][0])
     assert torch.allclose(runs[False][1], runs[True][1], atol=0.05)  # bf16 matmuls over the masked, longer cache
 

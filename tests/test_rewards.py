@@ -121,8 +121,11 @@ def test_score_batch_decodes_the_batch_as_the_reward_sees_it(artifacts):
     scored = rewards.score_batch(weighted, tokenizer, batch, rows)
     assert scored.scores.tolist() == [3 * (len(answers[0]) + 0.5), 3 * (len(answers[1]) + 0.5)]
     assert sorted(scored.parts) == ["reward/again", "reward/record"]  # several: each part logged too
-    assert seen == {"prompts": ["the first question", "the second"], "completions": ["#### 12", "3 + 4 = 7"], "completion_ids": answers,
-                    "ground_truth": ["12", "7"], "source": ["a", "b"]}
+    assert seen == {"prompts": ["the first question", "the second"], "completions": ["#### 12", "3 + 4 = 7"],
+                    "completion_ids": answers, "ground_truth": ["12", "7"], "source": ["a", "b"]}
+    del rows["prompt"]  # a task's rows without their text: the ids decoded
+    rewards.score_batch(reward_fn, tokenizer, batch, rows)
+    assert seen["prompts"] == ["q1", "q2"]
 
 
 def test_score_evaluates_a_reward_on_one_token_responses_without_a_model(artifacts, reward_module):

@@ -9,7 +9,8 @@ batch of B responses the trainer calls
     fn(prompts=[...], completions=[...], completion_ids=[[...], ...], **fields) -> B numbers
 
 - `prompts`: B str, each response's prompt as the model saw it: the text its token ids encode, with the chat
-  template (the prompt rows' `prompt` column, made once when the data is tokenized);
+  template (the prompt rows' `prompt` column, made once when the data is tokenized; rows without one, as a task
+  may make them, have their ids decoded with the special tokens);
 - `completions`: B str, the responses decoded without special tokens (the stop token and padding dropped);
 - `completion_ids`: B lists of int, each response's tokens without padding, up to and including its stop
   token (a response cut at data.max_response_length has none), the tokens the trainer's response_mask covers;
@@ -189,11 +190,12 @@ class Scored:
 
 def score_batch(reward_fn: RewardFn | WeightedReward, tokenizer, seq, rows) -> Scored:
     """The configured reward's verdict on a batch's responses (`seq`, rlhf.rollout.Sequences) to their prompt rows
-    (`rows`, one per response: input_ids, prompt and the task's fields), called as the module says."""
+    (`rows`, one per response: input_ids, prompt where the rows have it, and the task's fields), called as the
+    module says."""
     lengths = seq.response_mask.sum(dim=1).tolist()
     completion_ids = [ids[:length] for ids, length in zip(seq.response_ids.tolist(), lengths)]
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    prompts = rows["prompt"]
+    prompts = rows["prompt"] if "prompt" in rows else tokenizer.batch_decode(rows["input_ids"])  # a task's own rows
     fields = {key: values for key, values in rows.items() if key not in ("input_ids", "prompt")}
 
     def tensor(values):
