@@ -299,7 +299,7 @@ def ppo_update(cfg: Config, plan: Plan, accelerator, run: Setup, batch: Batch, s
                     accelerator.backward(vf_loss * world)
                     finite["critic"] &= math.isfinite(vf_loss.item())
                 metrics.update(critic_metrics)
-            if plan.old_logprobs_from == "update" and micro.sampler_logprobs is not None:  # a mean of micro-batches'
+            if plan.old_logprobs_from == "update" and micro.sampler_logprobs is not None:  # the sampler's against them
                 metrics.update(logprob_mismatch(micro.sampler_logprobs, micro.old_logprobs, micro.seq.response_mask))
             for key, value in metrics.items():
                 records[key].append(value * world if key in MINI_BATCH_LOSSES else value)
