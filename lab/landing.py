@@ -74,7 +74,7 @@ def start_landing(cfg, accelerator, run) -> "Landing | None":
 
     actor = accelerator.unwrap_model(run.models[0])
     row = run.train_set[0]
-    fields = {key: value for key, value in row.items() if key not in ("input_ids", "prompt")}
+    fields = {key: value for key, value in row.items() if key not in rewards.PROMPT_COLUMNS}
 
     def reward_score(prompt_ids, completion_ids, fields):
         prompts = run.tokenizer.batch_decode(prompt_ids)

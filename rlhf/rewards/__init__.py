@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 GSM8K_REWARD = "rlhf.rewards.gsm8k:reward_func"
-PROMPT_FIELDS = ("ground_truth",)  # the prompt rows' columns (rlhf.data.tokenize_prompts) besides input_ids, prompt
+PROMPT_COLUMNS = ("input_ids", "prompt")  # the prompt rows' columns that are not fields: the ids and their text
+PROMPT_FIELDS = ("ground_truth",)  # the other columns of the prompt rows (rlhf.data.tokenize_prompts)
 _CALL = "fn(prompts=..., completions=..., completion_ids=..., **fields)"
 
 
@@ -196,7 +197,7 @@ def score_batch(reward_fn: RewardFn | WeightedReward, tokenizer, seq, rows) -> S
     completion_ids = [ids[:length] for ids, length in zip(seq.response_ids.tolist(), lengths)]
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     prompts = rows["prompt"] if "prompt" in rows else tokenizer.batch_decode(rows["input_ids"])  # a task's own rows
-    fields = {key: values for key, values in rows.items() if key not in ("input_ids", "prompt")}
+    fields = {key: values for key, values in rows.items() if key not in PROMPT_COLUMNS}
 
     def tensor(values):
         return torch.tensor(values, dtype=torch.float32, device=seq.response_ids.device)
